@@ -1,0 +1,51 @@
+# make            build ./train_gpt (Hopper, sm_90a)
+# make test       host tests (no GPU needed)
+# make test-gpu   GPU tests (skip with a message where there is no GPU)
+# make bench      benchmarks (data pipeline on $(BENCH_DATA); GPU benchmarks come with the kernels)
+
+NVCC       ?= nvcc
+CUDA_HOME  ?= /usr/local/cuda
+ARCH       ?= -gencode arch=compute_90a,code=sm_90a
+MPICXX     ?= mpicxx
+PYTHON     ?= python3
+
+MPI_CFLAGS := $(shell $(MPICXX) --showme:compile 2>/dev/null)
+MPI_LIBS   := $(shell $(MPICXX) --showme:link 2>/dev/null)
+ifeq ($(strip $(MPI_LIBS)),)
+$(error OpenMPI not found ($(MPICXX) --showme:link failed): install libopenmpi-dev openmpi-bin)
+endif
+# nvcc takes -I/-L/-l itself; anything else (e.g. -pthread) goes to the host compiler
+nvcc_flags = $(filter -I% -L% -l%,$(1)) $(foreach f,$(filter-out -I% -L% -l%,$(1)),-Xcompiler $(f))
+
+# -ffp-contract=off: the schedules must round exactly as the record's Python does
+NVCCFLAGS ?= -O3 -std=c++17 $(ARCH) -lineinfo
+NVCCFLAGS += -Xcompiler -Wall,-Wextra,-ffp-contract=off -DTRAIN_GPT_SRC_DIR=\"$(CURDIR)\" \
+             $(call nvcc_flags,$(MPI_CFLAGS))
+LDLIBS     = -L$(CUDA_HOME)/lib64 -lcublasLt -lnccl $(call nvcc_flags,$(MPI_LIBS)) -lpthread
+
+SOURCES = train_gpt.cu triton_kernels.cu
+
+.PHONY: all test test-gpu bench clean
+all: train_gpt
+
+train_gpt: $(SOURCES)
+	$(NVCC) $(NVCCFLAGS) -o $@ train_gpt.cu $(LDLIBS)
+
+tests/test_host: tests/test_host.cu $(SOURCES)
+	$(NVCC) $(NVCCFLAGS) -o $@ tests/test_host.cu $(LDLIBS)
+
+tests/test_gpu: tests/test_gpu.cu $(SOURCES)
+	$(NVCC) $(NVCCFLAGS) -o $@ tests/test_gpu.cu $(LDLIBS)
+
+test: train_gpt tests/test_host
+	./tests/test_host --binary ./train_gpt --python $(PYTHON)
+
+test-gpu: tests/test_gpu
+	./tests/test_gpu
+
+BENCH_DATA ?= data/textmix/textmix_train_*.bin
+bench: tests/test_host
+	./tests/test_host --bench-data '$(BENCH_DATA)'
+
+clean:
+	rm -f train_gpt tests/test_host tests/test_gpu

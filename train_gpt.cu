@@ -1,0 +1,1274 @@
+// train_gpt.cu: the NanoGPT speedrun trainer in one self-logging CUDA C++ source.
+//
+// Algorithm of modded-nanogpt record 61 (2026-01-18, "Unified Optimizers and Transposed LM Head"):
+// parameter banks, one NorMuon+Adam optimizer with explicit communication order, fp8 transposed
+// lm_head, fused soft-capped multi-token-prediction cross-entropy. Heavy kernels live in
+// triton_kernels.cu (named after the record's triton_kernels.py so the two map one to one).
+//
+// Reads top to bottom like the record: hyperparameters, helpers, (fp8 ops, optimizer, model),
+// data, training manager (schedules), logging, main. Both sources are embedded in the binary at
+// build time and written at the top of every log, so a log always holds the code that ran.
+
+#define OMPI_SKIP_MPICXX 1  // the C API only
+#include <cuda_runtime.h>
+#include <cublasLt.h>
+#include <nccl.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <fcntl.h>
+#include <functional>
+#include <glob.h>
+#include <memory>
+#include <spawn.h>
+#include <stdexcept>
+#include <string>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+#include "triton_kernels.cu"
+
+extern char** environ;
+
+// -----------------------------------------------------------------------------
+// Hyperparameters: every number of record 61 that a researcher may want to change, with the
+// record's value as default. Each is a command-line flag of the same name (`--val_tokens 2097152`
+// or `--val_tokens=2097152`); lists are comma-separated (`--ws_schedule 3,7,11`).
+// The model's shape (vocab, layers, heads, dims) is fixed by the parameter banks: fork to change it.
+
+constexpr int VOCAB_SIZE = 50257;
+constexpr int PADDED_VOCAB_SIZE = 50304;  // next multiple of 128: only 50257 GPT-2 tokens exist
+constexpr int NUM_LAYERS = 11;
+constexpr int NUM_HEADS = 6;
+constexpr int HEAD_DIM = 128;
+constexpr int MODEL_DIM = 768;
+constexpr int BOS_ID = 50256;
+constexpr int SHARD_MAGIC = 20240520;
+constexpr int SHARD_VERSION = 1;
+constexpr int SHARD_HEADER_INTS = 256;
+
+struct Hyperparameters {
+    // data
+    std::string train_files = "data/fineweb10B/fineweb_train_*.bin";  // joined to $DATA_PATH
+    std::string val_files = "data/fineweb10B/fineweb_val_*.bin";
+    int64_t val_tokens = 10485760;  // fixed for comparable runs
+    // batch sizes (tokens per step over all ranks)
+    std::vector<int64_t> train_bs_schedule = {8 * 2048 * 8, 16 * 2048 * 8, 24 * 2048 * 8};
+    int64_t train_bs_extension = 24 * 2048 * 8;
+    int64_t train_max_seq_len = 128 * 16;
+    int64_t val_batch_size = 4 * 64 * 1024 * 8;
+    // optimization
+    int64_t num_scheduled_iterations = 1725;  // steps of the lr and window schedules
+    int64_t num_extension_iterations = 40;    // steps at the final lr and windows
+    double cooldown_frac = 0.50;              // fraction of the scheduled steps spent cooling down
+    double split_embed_frac = 2.0 / 3.0;      // embed unties from lm_head here (on an odd step)
+    std::vector<double> lr_max_schedule = {1.0, 1.52, 1.73};  // by thirds: (16/8)^0.6, (24/8)^0.5
+    double lr_min = 0.1;                      // lr multiplier at the end of the cooldown
+    int64_t muon_warmup_steps = 300;
+    int64_t muon_cooldown_steps = 50;
+    double momentum_min = 0.85;
+    double momentum_max = 0.95;
+    double adam_lr = 0.008;
+    double adam_eps = 1e-10;
+    double adam_weight_decay = 0.005;
+    double normuon_lr = 0.023;
+    double normuon_beta2 = 0.95;
+    double normuon_weight_decay = 1.2;
+    // fp8 lm_head static scales (@YouJiacheng) and logit soft-cap 23*sigmoid((l+5)/7.5)
+    double lm_head_x_s = 100.0 / 448;
+    double lm_head_w_s = 1.6 / 448;
+    double lm_head_grad_s = 0.75 / 448;
+    double softcap_a = 23.0;
+    double softcap_b = 5.0;
+    double softcap_c = 7.5;
+    // evaluation and logging
+    std::string run_id = "";  // empty: a fresh uuid4
+    int64_t val_loss_every = 250;  // 0: only at the end
+    bool save_checkpoint = false;
+    // attention masking (windows in blocks of block_size tokens)
+    int64_t block_size = 128;
+    std::vector<int64_t> ws_schedule = {3, 7, 11};
+    int64_t ws_final = 13;                   // extension steps and final validation short/long
+    int64_t ws_validate_post_yarn_ext = 20;  // final validation long window, no new YaRN update
+    double attn_scale_init = 0.1;
+    int64_t yarn_alpha = 1;
+    int64_t yarn_beta = 32;
+    // trainer
+    uint64_t seed = 0;        // model initialisation
+    bool cycle_data = false;  // wrap around the train files (multi-epoch) instead of stopping
+
+    int64_t num_iterations() const { return num_scheduled_iterations + num_extension_iterations; }
+};
+
+// -----------------------------------------------------------------------------
+// Helpers: errors. Library code throws (so tests can check the message); main() turns an
+// exception into a message naming the failure and stops every rank.
+
+struct TrainerError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+static std::string strprintf(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+static std::string strprintf(const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    va_list ap2;
+    va_copy(ap2, ap);
+    int n = vsnprintf(nullptr, 0, fmt, ap);
+    va_end(ap);
+    std::string s(n > 0 ? n : 0, '\0');
+    vsnprintf(s.data(), s.size() + 1, fmt, ap2);
+    va_end(ap2);
+    return s;
+}
+
+[[noreturn]] static void fail(const std::string& msg) { throw TrainerError(msg); }
+
+static int g_rank = 0;
+static int g_world_size = 1;
+static bool g_mpi_up = false;
+
+// Stops every rank: MPI_Abort takes the whole job down, so no rank waits forever in a collective.
+[[noreturn]] static void fatal(const std::string& msg) {
+    fprintf(stderr, "[rank %d] error: %s\n", g_rank, msg.c_str());
+    fflush(stderr);
+    if (g_mpi_up && g_world_size > 1) MPI_Abort(MPI_COMM_WORLD, 1);
+    exit(1);
+}
+
+#define CUDA_CHECK(call)                                                                         \
+    do {                                                                                         \
+        cudaError_t err_ = (call);                                                               \
+        if (err_ != cudaSuccess)                                                                 \
+            fatal(strprintf("%s:%d: %s failed: %s (%s)", __FILE__, __LINE__, #call,              \
+                            cudaGetErrorName(err_), cudaGetErrorString(err_)));                  \
+    } while (0)
+#define CUBLAS_CHECK(call)                                                                       \
+    do {                                                                                         \
+        cublasStatus_t st_ = (call);                                                             \
+        if (st_ != CUBLAS_STATUS_SUCCESS)                                                        \
+            fatal(strprintf("%s:%d: %s failed: %s", __FILE__, __LINE__, #call,                   \
+                            cublasLtGetStatusString(st_)));                                      \
+    } while (0)
+#define NCCL_CHECK(call)                                                                         \
+    do {                                                                                         \
+        ncclResult_t r_ = (call);                                                                \
+        if (r_ != ncclSuccess)                                                                   \
+            fatal(strprintf("%s:%d: %s failed: %s", __FILE__, __LINE__, #call,                   \
+                            ncclGetErrorString(r_)));                                            \
+    } while (0)
+#define MPI_CHECK(call)                                                                          \
+    do {                                                                                         \
+        int e_ = (call);                                                                         \
+        if (e_ != MPI_SUCCESS) {                                                                 \
+            char s_[MPI_MAX_ERROR_STRING];                                                       \
+            int n_ = 0;                                                                          \
+            MPI_Error_string(e_, s_, &n_);                                                       \
+            fatal(strprintf("%s:%d: %s failed: %s", __FILE__, __LINE__, #call, s_));             \
+        }                                                                                        \
+    } while (0)
+
+static int64_t next_multiple_of_n(int64_t v, int64_t n) { return v <= 0 ? n : (v + n - 1) / n * n; }
+
+// -----------------------------------------------------------------------------
+// Configuration: the flags, their parsing and the resolved configuration that goes in the log.
+
+enum class OptType { I64, U64, F64, STR, BOOL, I64_LIST, F64_LIST };
+
+struct Option {
+    const char* name;
+    OptType type;
+    void* ptr;
+    const char* help;
+};
+
+static std::vector<Option> options_of(Hyperparameters& a) {
+    return {
+        {"train_files", OptType::STR, &a.train_files, "train shards (glob, joined to $DATA_PATH)"},
+        {"val_files", OptType::STR, &a.val_files, "validation shards (glob, joined to $DATA_PATH)"},
+        {"val_tokens", OptType::I64, &a.val_tokens, "validation tokens per evaluation"},
+        {"train_bs_schedule", OptType::I64_LIST, &a.train_bs_schedule, "tokens/step, by equal parts of the scheduled steps"},
+        {"train_bs_extension", OptType::I64, &a.train_bs_extension, "tokens/step in the extension steps"},
+        {"train_max_seq_len", OptType::I64, &a.train_max_seq_len, "documents are cut at this length"},
+        {"val_batch_size", OptType::I64, &a.val_batch_size, "validation tokens per step over all ranks"},
+        {"num_scheduled_iterations", OptType::I64, &a.num_scheduled_iterations, "steps of the lr/window schedules"},
+        {"num_extension_iterations", OptType::I64, &a.num_extension_iterations, "steps after the schedules"},
+        {"cooldown_frac", OptType::F64, &a.cooldown_frac, "fraction of scheduled steps in lr cooldown"},
+        {"split_embed_frac", OptType::F64, &a.split_embed_frac, "embed unties from lm_head at this fraction"},
+        {"lr_max_schedule", OptType::F64_LIST, &a.lr_max_schedule, "lr multiplier by equal parts of the scheduled steps"},
+        {"lr_min", OptType::F64, &a.lr_min, "lr multiplier at the end of the cooldown"},
+        {"muon_warmup_steps", OptType::I64, &a.muon_warmup_steps, "NorMuon momentum warmup steps"},
+        {"muon_cooldown_steps", OptType::I64, &a.muon_cooldown_steps, "NorMuon momentum cooldown steps"},
+        {"momentum_min", OptType::F64, &a.momentum_min, "NorMuon momentum at the start and the end"},
+        {"momentum_max", OptType::F64, &a.momentum_max, "NorMuon momentum in between"},
+        {"adam_lr", OptType::F64, &a.adam_lr, "Adam learning rate"},
+        {"adam_eps", OptType::F64, &a.adam_eps, "Adam epsilon"},
+        {"adam_weight_decay", OptType::F64, &a.adam_weight_decay, "Adam (cautious) weight decay"},
+        {"normuon_lr", OptType::F64, &a.normuon_lr, "NorMuon learning rate"},
+        {"normuon_beta2", OptType::F64, &a.normuon_beta2, "NorMuon second-moment decay"},
+        {"normuon_weight_decay", OptType::F64, &a.normuon_weight_decay, "NorMuon (cautious) weight decay"},
+        {"lm_head_x_s", OptType::F64, &a.lm_head_x_s, "fp8 lm_head activation scale"},
+        {"lm_head_w_s", OptType::F64, &a.lm_head_w_s, "fp8 lm_head weight scale"},
+        {"lm_head_grad_s", OptType::F64, &a.lm_head_grad_s, "fp8 lm_head gradient scale"},
+        {"softcap_a", OptType::F64, &a.softcap_a, "logits soft-cap a*sigmoid((l+b)/c)"},
+        {"softcap_b", OptType::F64, &a.softcap_b, "logits soft-cap offset b"},
+        {"softcap_c", OptType::F64, &a.softcap_c, "logits soft-cap divisor c"},
+        {"run_id", OptType::STR, &a.run_id, "log name logs/<run_id>.txt (default: a fresh uuid4)"},
+        {"val_loss_every", OptType::I64, &a.val_loss_every, "validate every N steps (0: only at the end)"},
+        {"save_checkpoint", OptType::BOOL, &a.save_checkpoint, "save a checkpoint at the end"},
+        {"block_size", OptType::I64, &a.block_size, "attention window unit in tokens"},
+        {"ws_schedule", OptType::I64_LIST, &a.ws_schedule, "long window (blocks) by equal parts of the scheduled steps"},
+        {"ws_final", OptType::I64, &a.ws_final, "long window (blocks) of the extension steps"},
+        {"ws_validate_post_yarn_ext", OptType::I64, &a.ws_validate_post_yarn_ext, "long window (blocks) of the final validation"},
+        {"attn_scale_init", OptType::F64, &a.attn_scale_init, "attention softmax scale before YaRN updates"},
+        {"yarn_alpha", OptType::I64, &a.yarn_alpha, "YaRN interpolation ramp start (rotations)"},
+        {"yarn_beta", OptType::I64, &a.yarn_beta, "YaRN interpolation ramp end (rotations)"},
+        {"seed", OptType::U64, &a.seed, "seed of the model initialisation"},
+        {"cycle_data", OptType::BOOL, &a.cycle_data, "cycle the train files instead of stopping at their end"},
+    };
+}
+
+static std::string format_double(double v) {
+    // shortest text that reads back to the same double, like Python's repr
+    for (int prec = 1; prec <= 17; ++prec) {
+        std::string s = strprintf("%.*g", prec, v);
+        if (strtod(s.c_str(), nullptr) == v) return s;
+    }
+    return strprintf("%.17g", v);
+}
+
+static std::string format_option(const Option& o) {
+    switch (o.type) {
+        case OptType::I64: return std::to_string(*(int64_t*)o.ptr);
+        case OptType::U64: return std::to_string(*(uint64_t*)o.ptr);
+        case OptType::F64: return format_double(*(double*)o.ptr);
+        case OptType::STR: return *(std::string*)o.ptr;
+        case OptType::BOOL: return *(bool*)o.ptr ? "true" : "false";
+        case OptType::I64_LIST: {
+            std::string s;
+            for (int64_t v : *(std::vector<int64_t>*)o.ptr) s += (s.empty() ? "" : ",") + std::to_string(v);
+            return s;
+        }
+        case OptType::F64_LIST: {
+            std::string s;
+            for (double v : *(std::vector<double>*)o.ptr) s += (s.empty() ? "" : ",") + format_double(v);
+            return s;
+        }
+    }
+    return "";
+}
+
+static int64_t parse_i64(const std::string& flag, const std::string& v) {
+    errno = 0;
+    char* end = nullptr;
+    long long x = strtoll(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || errno == ERANGE)
+        fail(strprintf("--%s: '%s' is not an integer", flag.c_str(), v.c_str()));
+    return x;
+}
+
+static double parse_f64(const std::string& flag, const std::string& v) {
+    errno = 0;
+    char* end = nullptr;
+    double x = strtod(v.c_str(), &end);
+    if (v.empty() || *end != '\0' || errno == ERANGE || !std::isfinite(x))
+        fail(strprintf("--%s: '%s' is not a finite number", flag.c_str(), v.c_str()));
+    return x;
+}
+
+static std::vector<std::string> split(const std::string& s, char sep) {
+    std::vector<std::string> out;
+    size_t start = 0;
+    while (true) {
+        size_t p = s.find(sep, start);
+        out.push_back(s.substr(start, p == std::string::npos ? std::string::npos : p - start));
+        if (p == std::string::npos) return out;
+        start = p + 1;
+    }
+}
+
+static void set_option(const Option& o, const std::string& v) {
+    const std::string flag = o.name;
+    switch (o.type) {
+        case OptType::I64: *(int64_t*)o.ptr = parse_i64(flag, v); break;
+        case OptType::U64: {
+            if (!v.empty() && v[0] == '-') fail(strprintf("--%s: '%s' must not be negative", o.name, v.c_str()));
+            errno = 0;
+            char* end = nullptr;
+            unsigned long long x = strtoull(v.c_str(), &end, 10);
+            if (v.empty() || *end != '\0' || errno == ERANGE)
+                fail(strprintf("--%s: '%s' is not an unsigned integer", o.name, v.c_str()));
+            *(uint64_t*)o.ptr = x;
+            break;
+        }
+        case OptType::F64: *(double*)o.ptr = parse_f64(flag, v); break;
+        case OptType::STR: *(std::string*)o.ptr = v; break;
+        case OptType::BOOL:
+            if (v == "1" || v == "true") *(bool*)o.ptr = true;
+            else if (v == "0" || v == "false") *(bool*)o.ptr = false;
+            else fail(strprintf("--%s: '%s' is not a boolean (true/false/1/0)", o.name, v.c_str()));
+            break;
+        case OptType::I64_LIST: {
+            std::vector<int64_t> xs;
+            for (const std::string& p : split(v, ',')) xs.push_back(parse_i64(flag, p));
+            *(std::vector<int64_t>*)o.ptr = xs;
+            break;
+        }
+        case OptType::F64_LIST: {
+            std::vector<double> xs;
+            for (const std::string& p : split(v, ',')) xs.push_back(parse_f64(flag, p));
+            *(std::vector<double>*)o.ptr = xs;
+            break;
+        }
+    }
+}
+
+// Parses `--name value`, `--name=value` and a bare `--bool_flag`. Throws on unknown flags.
+static void parse_args(Hyperparameters& args, const std::vector<std::string>& argv) {
+    std::vector<Option> opts = options_of(args);
+    for (size_t i = 0; i < argv.size(); ++i) {
+        const std::string& a = argv[i];
+        if (a.rfind("--", 0) != 0) fail(strprintf("unexpected argument '%s' (flags look like --name value)", a.c_str()));
+        std::string name = a.substr(2), value;
+        bool has_value = false;
+        size_t eq = name.find('=');
+        if (eq != std::string::npos) {
+            value = name.substr(eq + 1);
+            name = name.substr(0, eq);
+            has_value = true;
+        }
+        auto it = std::find_if(opts.begin(), opts.end(), [&](const Option& o) { return name == o.name; });
+        if (it == opts.end()) fail(strprintf("unknown flag --%s (./train_gpt --help lists the flags)", name.c_str()));
+        if (!has_value) {
+            bool next_is_value = i + 1 < argv.size() && argv[i + 1].rfind("--", 0) != 0;
+            if (it->type == OptType::BOOL && !next_is_value) value = "true";
+            else if (!next_is_value) fail(strprintf("--%s needs a value", name.c_str()));
+            else value = argv[++i];
+        }
+        set_option(*it, value);
+    }
+}
+
+// Checks that the configuration can run at this world size; every message names the flag.
+static void validate_args(const Hyperparameters& a, int world_size) {
+    if (world_size < 1 || 8 % world_size != 0)
+        fail(strprintf("world size %d does not divide 8 (run on 1, 2, 4 or 8 GPUs)", world_size));
+    auto positive = [](const char* flag, int64_t v) {
+        if (v <= 0) fail(strprintf("--%s must be positive, got %lld", flag, (long long)v));
+    };
+    auto non_negative = [](const char* flag, int64_t v) {
+        if (v < 0) fail(strprintf("--%s must not be negative, got %lld", flag, (long long)v));
+    };
+    if (a.train_files.empty()) fail("--train_files must not be empty");
+    if (a.val_files.empty()) fail("--val_files must not be empty");
+    positive("train_max_seq_len", a.train_max_seq_len);
+    positive("block_size", a.block_size);
+    // 8 = world size x accumulation steps: every micro-batch holds whole max-length sequences
+    const int64_t unit = 8 * a.train_max_seq_len;
+    auto batch = [&](const char* flag, int64_t v) {
+        positive(flag, v);
+        if (v % unit != 0)
+            fail(strprintf("--%s: %lld is not divisible by 8 x train_max_seq_len = %lld", flag, (long long)v,
+                           (long long)unit));
+    };
+    if (a.train_bs_schedule.empty()) fail("--train_bs_schedule must hold at least one batch size");
+    for (int64_t bs : a.train_bs_schedule) batch("train_bs_schedule", bs);
+    batch("train_bs_extension", a.train_bs_extension);
+    batch("val_batch_size", a.val_batch_size);
+    positive("val_tokens", a.val_tokens);
+    if (a.val_tokens % a.val_batch_size != 0)
+        fail(strprintf("--val_tokens: %lld is not a multiple of --val_batch_size %lld", (long long)a.val_tokens,
+                       (long long)a.val_batch_size));
+    positive("num_scheduled_iterations", a.num_scheduled_iterations);
+    non_negative("num_extension_iterations", a.num_extension_iterations);
+    if (!(a.cooldown_frac > 0 && a.cooldown_frac <= 1))
+        fail(strprintf("--cooldown_frac must be in (0, 1], got %s", format_double(a.cooldown_frac).c_str()));
+    if (!(a.split_embed_frac > 0 && a.split_embed_frac <= 1))
+        fail(strprintf("--split_embed_frac must be in (0, 1], got %s", format_double(a.split_embed_frac).c_str()));
+    if (a.lr_max_schedule.empty()) fail("--lr_max_schedule must hold at least one value");
+    for (double v : a.lr_max_schedule)
+        if (v <= 0) fail(strprintf("--lr_max_schedule values must be positive, got %s", format_double(v).c_str()));
+    if (a.lr_min < 0) fail("--lr_min must not be negative");
+    positive("muon_warmup_steps", a.muon_warmup_steps);
+    positive("muon_cooldown_steps", a.muon_cooldown_steps);
+    if (!(a.momentum_min >= 0 && a.momentum_min < 1)) fail("--momentum_min must be in [0, 1)");
+    if (!(a.momentum_max >= 0 && a.momentum_max < 1)) fail("--momentum_max must be in [0, 1)");
+    for (auto [flag, v] : {std::pair<const char*, double>{"adam_lr", a.adam_lr}, {"adam_eps", a.adam_eps},
+                           {"normuon_lr", a.normuon_lr}, {"lm_head_x_s", a.lm_head_x_s},
+                           {"lm_head_w_s", a.lm_head_w_s}, {"lm_head_grad_s", a.lm_head_grad_s},
+                           {"softcap_a", a.softcap_a}, {"softcap_c", a.softcap_c},
+                           {"attn_scale_init", a.attn_scale_init}})
+        if (!(v > 0)) fail(strprintf("--%s must be positive, got %s", flag, format_double(v).c_str()));
+    if (a.adam_weight_decay < 0) fail("--adam_weight_decay must not be negative");
+    if (a.normuon_weight_decay < 0) fail("--normuon_weight_decay must not be negative");
+    if (!(a.normuon_beta2 >= 0 && a.normuon_beta2 < 1)) fail("--normuon_beta2 must be in [0, 1)");
+    non_negative("val_loss_every", a.val_loss_every);
+    if (a.ws_schedule.empty()) fail("--ws_schedule must hold at least one window");
+    for (int64_t w : a.ws_schedule) positive("ws_schedule", w);
+    positive("ws_final", a.ws_final);
+    positive("ws_validate_post_yarn_ext", a.ws_validate_post_yarn_ext);
+    if (a.yarn_beta <= a.yarn_alpha) fail("--yarn_beta must be larger than --yarn_alpha");
+    for (char c : a.run_id)
+        if (!(isalnum((unsigned char)c) || c == '-' || c == '_' || c == '.'))
+            fail(strprintf("--run_id '%s' may hold only letters, digits, '-', '_' and '.'", a.run_id.c_str()));
+}
+
+// -----------------------------------------------------------------------------
+// Training Management: the schedules of record 61, as pure functions of the step.
+
+// batch size schedule by equal parts of the scheduled steps, then the extension batch
+static int64_t get_bs(const Hyperparameters& a, int64_t step) {
+    if (step >= a.num_scheduled_iterations) return a.train_bs_extension;
+    double x = (double)step / (double)a.num_scheduled_iterations;
+    size_t idx = (size_t)((double)a.train_bs_schedule.size() * x);
+    return a.train_bs_schedule[idx];
+}
+
+struct Windows {
+    int64_t short_ws, long_ws;  // in blocks; the short window is half the long one
+    bool operator==(const Windows& o) const { return short_ws == o.short_ws && long_ws == o.long_ws; }
+};
+
+static Windows get_ws(const Hyperparameters& a, int64_t step) {
+    if (step >= a.num_scheduled_iterations) return {a.ws_final / 2, a.ws_final};
+    double x = (double)step / (double)a.num_scheduled_iterations;
+    size_t idx = (size_t)((double)a.ws_schedule.size() * x);
+    int64_t ws = a.ws_schedule[idx];
+    return {ws / 2, ws};
+}
+
+// lr multiplier: tied to the batch size schedule, with a linear cooldown at the end
+static double get_lr(const Hyperparameters& a, int64_t step) {
+    if (step > a.num_scheduled_iterations) return a.lr_min;
+    double x = (double)step / (double)a.num_scheduled_iterations;
+    double lr_max = a.lr_max_schedule[0];
+    const size_t n = a.lr_max_schedule.size();
+    for (size_t i = 1; i < n; ++i)
+        if (x > (double)i / (double)n) lr_max = a.lr_max_schedule[i];
+    if (x >= 1 - a.cooldown_frac) {
+        double w = (1 - x) / a.cooldown_frac;
+        return lr_max * w + (1 - w) * a.lr_min;
+    }
+    return lr_max;
+}
+
+// NorMuon momentum: linear warmup from min to max, linear cooldown back over the last steps
+static double get_muon_momentum(const Hyperparameters& a, int64_t step) {
+    int64_t cd_start = a.num_iterations() - a.muon_cooldown_steps;
+    if (step < a.muon_warmup_steps) {
+        double frac = (double)step / (double)a.muon_warmup_steps;
+        return a.momentum_min + frac * (a.momentum_max - a.momentum_min);
+    }
+    if (step > cd_start) {
+        double frac = (double)(step - cd_start) / (double)a.muon_cooldown_steps;
+        return a.momentum_max - frac * (a.momentum_max - a.momentum_min);
+    }
+    return a.momentum_max;
+}
+
+// Multi-token prediction weights (@varunneal): [1, .5, .25->0] -> [1, .5->0] -> [1], as fp32
+static std::vector<float> get_mtp_weights(const Hyperparameters& a, int64_t step) {
+    double x = (double)step / (double)a.num_scheduled_iterations;
+    if (x < 1.0 / 3) return {1.0f, 0.5f, (float)(0.25 * (1 - 3 * x))};
+    if (x < 2.0 / 3) return {1.0f, (float)(0.5 * (1 - (3 * x - 1)))};
+    return {1.0f};
+}
+
+// Adam parameters step only on odd steps; their gradients accumulate over two steps (@classiclarryd)
+static bool is_adam_step(int64_t step) { return step % 2 == 1; }
+
+// embed unties from lm_head at 2/3 of training, on an odd step so Adam updates (@classiclarryd)
+static int64_t get_split_step(const Hyperparameters& a) {
+    return (int64_t)std::ceil(a.split_embed_frac * (double)a.num_scheduled_iterations) | 1;
+}
+
+// steps at which the long window changes (each needs a YaRN update)
+static std::vector<int64_t> get_transition_steps(const Hyperparameters& a) {
+    std::vector<int64_t> steps;
+    int64_t ws_long = get_ws(a, 0).long_ws;
+    for (int64_t step = 1; step < a.num_iterations(); ++step) {
+        int64_t w = get_ws(a, step).long_ws;
+        if (w != ws_long) {
+            steps.push_back(step);
+            ws_long = w;
+        }
+    }
+    return steps;
+}
+
+// untimed warmup: the first steps and each transition +-1, then an exact reset of the state
+static std::vector<int64_t> get_warmup_steps(const Hyperparameters& a) {
+    std::vector<int64_t> steps = {0, 1, 2};
+    for (int64_t s : get_transition_steps(a))
+        for (int64_t off : {-1, 0, 1})
+            if (s + off >= 0) steps.push_back(s + off);
+    std::sort(steps.begin(), steps.end());
+    steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
+    return steps;
+}
+
+// YaRN (@YouJiacheng's half-truncated RoPE with base-frequency tuning; YaRN updates on window
+// changes). State is the fp32 angular frequency per head dim and the attention scale; the
+// cos/sin tables are built from it on the GPU.
+struct YarnState {
+    std::vector<float> angular_freq;  // HEAD_DIM entries: HEAD_DIM/4 freqs, each twice, then zeros
+    double attn_scale;
+};
+
+static YarnState yarn_reset(const Hyperparameters& a) {
+    YarnState y;
+    const int n = HEAD_DIM / 4;
+    const float step = 1.0f / (float)(n - 1);
+    for (int i = 0; i < n; ++i) {
+        // linspace(0, 1, n) in fp32, computed from both ends as PyTorch does
+        float t = i < n / 2 ? (float)i * step : 1.0f - (float)(n - 1 - i) * step;
+        float f = powf(1.0f / 1024.0f, t);
+        y.angular_freq.push_back(f);
+        y.angular_freq.push_back(f);
+    }
+    y.angular_freq.resize(HEAD_DIM, 0.0f);
+    y.attn_scale = a.attn_scale_init;
+    return y;
+}
+
+static void yarn_apply(const Hyperparameters& a, YarnState& y, int64_t old_window, int64_t new_window) {
+    // fp32 arithmetic in the record's order (a division by a scalar is a product with its inverse)
+    const float inv_two_pi = 1.0f / (float)(2 * M_PI);
+    const float inv_ramp = 1.0f / (float)(a.yarn_beta - a.yarn_alpha);
+    const double scaling_factor = (double)old_window / (double)new_window;
+    for (float& f : y.angular_freq) {
+        float rotations = (float)(a.block_size * old_window) * f * inv_two_pi;
+        float w = (rotations - (float)a.yarn_alpha) * inv_ramp;
+        w = std::min(1.0f, std::max(0.0f, w));
+        f *= (float)scaling_factor + w * (float)(1 - scaling_factor);
+    }
+    y.attn_scale *= 0.2 * std::log((double)new_window / (double)old_window) + 1;
+}
+
+// -----------------------------------------------------------------------------
+// Distributed data loader. Shards: 256 int32 header words (magic, version, token count), then
+// uint16 tokens. Reproduces the record's loader token for token at every world size: BOS-aligned
+// training batches (@varunneal, @classiclarryd), unaligned validation batches.
+
+struct Shard {
+    std::string path;
+    std::vector<uint16_t> tokens;
+    std::vector<int64_t> bos_idx;  // positions of BOS, ascending
+};
+
+static std::shared_ptr<Shard> load_data_shard(const std::string& path) {
+    auto shard = std::make_shared<Shard>();
+    shard->path = path;
+    int fd = open(path.c_str(), O_RDONLY);
+    if (fd < 0) fail(strprintf("cannot open data shard %s: %s", path.c_str(), strerror(errno)));
+    struct FdCloser {
+        int fd;
+        ~FdCloser() { close(fd); }
+    } closer{fd};
+    struct stat st;
+    if (fstat(fd, &st) != 0) fail(strprintf("cannot stat data shard %s: %s", path.c_str(), strerror(errno)));
+    const int64_t header_bytes = SHARD_HEADER_INTS * 4;
+    if (st.st_size < header_bytes)
+        fail(strprintf("data shard %s: %lld bytes is shorter than its %lld-byte header", path.c_str(),
+                       (long long)st.st_size, (long long)header_bytes));
+    auto read_all = [&](void* dst, int64_t nbytes) {
+        char* p = (char*)dst;
+        while (nbytes > 0) {
+            ssize_t r = read(fd, p, (size_t)std::min<int64_t>(nbytes, 1 << 30));
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0) fail(strprintf("data shard %s: read failed: %s", path.c_str(), r < 0 ? strerror(errno) : "unexpected end of file"));
+            p += r;
+            nbytes -= r;
+        }
+    };
+    int32_t header[SHARD_HEADER_INTS];
+    read_all(header, header_bytes);
+    if (header[0] != SHARD_MAGIC)
+        fail(strprintf("data shard %s: magic number %d, expected %d (not a FineWeb .bin shard?)", path.c_str(),
+                       header[0], SHARD_MAGIC));
+    if (header[1] != SHARD_VERSION)
+        fail(strprintf("data shard %s: unsupported version %d, expected %d", path.c_str(), header[1], SHARD_VERSION));
+    const int64_t num_tokens = header[2];
+    const int64_t payload = st.st_size - header_bytes;
+    if (num_tokens < 0 || payload != 2 * num_tokens)
+        fail(strprintf("data shard %s: header says %lld tokens (%lld bytes) but the file holds %lld bytes after the "
+                       "header", path.c_str(), (long long)num_tokens, (long long)(2 * num_tokens), (long long)payload));
+    shard->tokens.resize(num_tokens);
+    read_all(shard->tokens.data(), 2 * num_tokens);
+    const uint16_t* t = shard->tokens.data();
+    uint16_t max_tok = 0;
+    for (int64_t i = 0; i < num_tokens; ++i) max_tok = std::max(max_tok, t[i]);  // vectorises
+    if (max_tok >= PADDED_VOCAB_SIZE) {
+        int64_t i = 0;
+        while (t[i] < PADDED_VOCAB_SIZE) ++i;
+        fail(strprintf("data shard %s: token id %d at position %lld is not below the vocabulary size %d",
+                       path.c_str(), t[i], (long long)i, PADDED_VOCAB_SIZE));
+    }
+    for (int64_t i = 0; i < num_tokens; ++i)
+        if (t[i] == BOS_ID) shard->bos_idx.push_back(i);
+    return shard;
+}
+
+// sorted matches of a glob pattern (sorted by bytes, as Python's sorted(glob.glob(...)))
+static std::vector<std::string> list_files(const std::string& pattern) {
+    glob_t g;
+    int rc = glob(pattern.c_str(), GLOB_NOSORT, nullptr, &g);
+    std::vector<std::string> files;
+    if (rc == 0)
+        for (size_t i = 0; i < g.gl_pathc; ++i) files.push_back(g.gl_pathv[i]);
+    globfree(&g);
+    if (rc != 0 && rc != GLOB_NOMATCH) fail(strprintf("cannot list files of pattern %s (glob error %d)", pattern.c_str(), rc));
+    if (files.empty()) fail(strprintf("no files found for pattern: %s", pattern.c_str()));
+    std::sort(files.begin(), files.end());
+    return files;
+}
+
+static std::string join_data_path(const std::string& data_path, const std::string& pattern) {
+    if (data_path.empty() || pattern.empty() || pattern[0] == '/') return pattern;
+    return data_path.back() == '/' ? data_path + pattern : data_path + "/" + pattern;
+}
+
+// Finds each rank's documents in one shard. Every rank walks the same BOS index for all ranks and
+// keeps its own, so the stream is the same at any world size.
+struct BOSFinder {
+    std::shared_ptr<Shard> shard;
+    int64_t i = 0;           // next BOS to use
+    int64_t batch_iter = 0;  // batches taken so far
+    // The record's first shard sees only the BOS in its first quickload_tokens tokens for its
+    // first quickload_batches batches (it indexes the rest on a thread meanwhile). Kept for
+    // identical streams: it decides where a document crossing that point ends.
+    int64_t n_quick = -1;  // BOS visible while batch_iter < quickload_batches; -1: no quickload
+    int64_t quickload_batches = 0;
+
+    BOSFinder(std::shared_ptr<Shard> s, int64_t quickload_tokens = -1, int64_t quickload_batches_ = 5)
+        : shard(std::move(s)), quickload_batches(quickload_batches_) {
+        if (quickload_tokens >= 0)
+            n_quick = std::lower_bound(shard->bos_idx.begin(), shard->bos_idx.end(), quickload_tokens) -
+                      shard->bos_idx.begin();
+    }
+
+    // Fills starts/ends[r] for every rank r; false (and nothing changed) if the shard runs out.
+    bool next_batch(int64_t num_tokens_local, int64_t max_seq_len, int world_size,
+                    std::vector<std::vector<int64_t>>& starts, std::vector<std::vector<int64_t>>& ends) {
+        const std::vector<int64_t>& bos = shard->bos_idx;
+        const int64_t n = (n_quick >= 0 && batch_iter < quickload_batches) ? n_quick : (int64_t)bos.size();
+        const int64_t size = (int64_t)shard->tokens.size();
+        starts.assign(world_size, {});
+        ends.assign(world_size, {});
+        int64_t idx = i;
+        for (int r = 0; r < world_size; ++r) {
+            int64_t cur_len = 0;
+            while (cur_len <= num_tokens_local) {
+                if (idx >= n) return false;
+                int64_t cur = bos[idx];
+                int64_t end = std::min({idx + 1 < n ? bos[idx + 1] : size, cur + max_seq_len,
+                                        cur + num_tokens_local - cur_len + 1});
+                starts[r].push_back(cur);
+                ends[r].push_back(end);
+                cur_len += end - cur;
+                ++idx;
+            }
+        }
+        i = idx;
+        ++batch_iter;
+        return true;
+    }
+};
+
+// Loads and indexes the next shard on a background thread, so a shard change does not stall.
+class DataPreloader {
+   public:
+    DataPreloader(std::vector<std::string> files, size_t next, bool cycle)
+        : files_(std::move(files)), next_(next), cycle_(cycle) {}
+    ~DataPreloader() { join(); }
+
+    void start() {
+        join();
+        result_.reset();
+        error_ = nullptr;
+        if (next_ >= files_.size()) {
+            if (!cycle_) return;
+            next_ = 0;
+        }
+        std::string path = files_[next_++];
+        thread_ = std::thread([this, path] {
+            try {
+                result_ = load_data_shard(path);
+            } catch (...) {
+                error_ = std::current_exception();
+            }
+        });
+    }
+
+    // the shard loaded by the last start(), or null if the files have ended
+    std::shared_ptr<Shard> get() {
+        join();
+        if (error_) std::rethrow_exception(error_);
+        return result_;
+    }
+
+   private:
+    void join() {
+        if (thread_.joinable()) thread_.join();
+    }
+    std::vector<std::string> files_;
+    size_t next_;
+    bool cycle_;
+    std::thread thread_;
+    std::shared_ptr<Shard> result_;
+    std::exception_ptr error_;
+};
+
+// Host memory for batches: pinned (page-locked, so cudaMemcpyAsync overlaps compute) in the
+// trainer, pageable in the host tests that run without a GPU.
+struct HostBuffer {
+    int32_t* ptr = nullptr;
+    size_t count = 0;
+    bool pinned = false;
+    HostBuffer() = default;
+    HostBuffer(const HostBuffer&) = delete;
+    HostBuffer& operator=(const HostBuffer&) = delete;
+    ~HostBuffer() { release(); }
+    void reserve(size_t n, bool pin) {
+        if (n <= count && pin == pinned) return;
+        release();
+        if (pin) CUDA_CHECK(cudaHostAlloc((void**)&ptr, n * sizeof(int32_t), cudaHostAllocDefault));
+        else {
+            ptr = (int32_t*)malloc(n * sizeof(int32_t));
+            if (!ptr) fail("out of host memory for a batch buffer");
+        }
+        count = n;
+        pinned = pin;
+    }
+    void release() {
+        if (!ptr) return;
+        if (pinned) CUDA_CHECK(cudaFreeHost(ptr));
+        else free(ptr);
+        ptr = nullptr;
+        count = 0;
+    }
+};
+
+// One micro-batch of one rank. tokens holds num_tokens + 1 ids: inputs are tokens[0, N), targets
+// tokens[1, N], so one copy moves both. cu_seqlens has max_num_docs entries: 0, the cumulative
+// document lengths, then num_tokens as padding (fixed size, so shapes never change).
+struct HostBatch {
+    HostBuffer tokens_buf, cu_seqlens_buf;
+    int64_t num_tokens = 0;    // per rank per micro-step
+    int64_t max_num_docs = 0;  // length of cu_seqlens
+    int64_t num_docs = 0;      // sequences in this batch (entries of cu_seqlens past the leading 0)
+    cudaEvent_t copied = nullptr;  // recorded after the async upload; the buffer is reused after it
+    const int32_t* inputs() const { return tokens_buf.ptr; }
+    const int32_t* targets() const { return tokens_buf.ptr + 1; }
+    const int32_t* cu_seqlens() const { return cu_seqlens_buf.ptr; }
+};
+
+struct BatchSize {
+    int64_t num_tokens;  // per step over all ranks
+    int64_t max_seq_len;
+    int64_t grad_accum_steps;
+};
+
+struct LoaderOptions {
+    bool align_to_bos = true;
+    bool cycle = false;               // wrap around the file list
+    bool pinned = true;               // page-locked batch buffers
+    int64_t quickload_tokens = 4000000;  // the record's first-shard quick BOS scan
+    int64_t quickload_batches = 5;
+    int64_t capacity_tokens = 0;      // per-rank tokens to size the buffers for up front
+};
+
+// The record's distributed_data_generator: each call of next() is one micro-step of one rank.
+class DistributedDataGenerator {
+   public:
+    DistributedDataGenerator(const std::string& pattern, BatchSize bs, int rank, int world_size,
+                             LoaderOptions opt = {})
+        : rank_(rank), world_size_(world_size), opt_(opt) {
+        files_ = list_files(pattern);
+        set_batch_size(bs);
+        shard_ = load_data_shard(files_[0]);
+        next_file_ = 1;
+        if (opt_.align_to_bos) {
+            finder_ = std::make_unique<BOSFinder>(shard_, opt_.quickload_tokens, opt_.quickload_batches);
+            preloader_ = std::make_unique<DataPreloader>(files_, next_file_, opt_.cycle);
+            preloader_->start();
+        }
+        if (opt_.capacity_tokens > 0)
+            for (HostBatch& b : slots_) reserve(b, opt_.capacity_tokens);
+    }
+    ~DistributedDataGenerator() {
+        for (HostBatch& b : slots_)
+            if (b.copied) CUDA_CHECK(cudaEventDestroy(b.copied));
+    }
+
+    // New (num_tokens, max_seq_len, grad_accum_steps), used from the next batch on (the record's .send()).
+    void set_batch_size(BatchSize bs) {
+        if (bs.grad_accum_steps <= 0 || bs.num_tokens <= 0 || bs.num_tokens % (world_size_ * bs.grad_accum_steps) != 0)
+            fail(strprintf("batch of %lld tokens does not split over %d ranks x %lld accumulation steps",
+                           (long long)bs.num_tokens, world_size_, (long long)bs.grad_accum_steps));
+        num_tokens_ = bs.num_tokens / bs.grad_accum_steps;
+        max_seq_len_ = bs.max_seq_len;
+    }
+
+    // The next micro-batch of this rank, in one of two alternating host buffers: the previous one
+    // may still be uploading while this one is filled.
+    HostBatch& next() {
+        HostBatch& b = slots_[slot_];
+        slot_ ^= 1;
+        if (b.copied) CUDA_CHECK(cudaEventSynchronize(b.copied));  // its last upload is done
+        const int64_t ntl = num_tokens_ / world_size_;
+        const int64_t max_num_docs = next_multiple_of_n(ntl / 300, 128);  // median doc length is ~400
+        reserve(b, ntl);
+        b.num_tokens = ntl;
+        b.max_num_docs = max_num_docs;
+        int32_t* tok = b.tokens_buf.ptr;
+        int32_t* cu = b.cu_seqlens_buf.ptr;
+        if (opt_.align_to_bos) {
+            while (!finder_->next_batch(ntl, max_seq_len_, world_size_, starts_, ends_)) {
+                // this shard is exhausted: switch to the preloaded one and start loading the next
+                std::shared_ptr<Shard> s = preloader_->get();
+                if (!s)
+                    fail(strprintf("train data exhausted: %s has too few documents left for a batch of %lld tokens "
+                                   "and it is the last file (%zu files; --cycle_data to wrap around)",
+                                   shard_->path.c_str(), (long long)num_tokens_, files_.size()));
+                shard_ = s;
+                finder_ = std::make_unique<BOSFinder>(shard_);
+                preloader_->start();
+            }
+            const std::vector<int64_t>& st = starts_[rank_];
+            const std::vector<int64_t>& en = ends_[rank_];
+            const int64_t ndocs = (int64_t)st.size();
+            if (ndocs + 1 > max_num_docs)
+                fail(strprintf("batch of %lld tokens from %s holds %lld documents, more than max_num_docs - 1 = %lld",
+                               (long long)ntl, shard_->path.c_str(), (long long)ndocs, (long long)max_num_docs - 1));
+            const uint16_t* src = shard_->tokens.data();
+            int64_t pos = 0;
+            cu[0] = 0;
+            for (int64_t d = 0; d < ndocs; ++d) {
+                for (int64_t j = st[d]; j < en[d]; ++j) tok[pos++] = src[j];
+                // the last document is one shorter: its final token is only a target
+                cu[d + 1] = (int32_t)(d + 1 < ndocs ? pos : pos - 1);
+            }
+            b.num_docs = ndocs;
+            for (int64_t d = ndocs + 1; d < max_num_docs; ++d) cu[d] = (int32_t)ntl;
+        } else {
+            if (pos_ + num_tokens_ + 1 >= (int64_t)shard_->tokens.size()) {  // as the record: move on
+                if (next_file_ >= files_.size())
+                    fail(strprintf("validation data exhausted: %s has no room for another batch of %lld tokens and "
+                                   "it is the last file (%zu files; lower --val_tokens)",
+                                   shard_->path.c_str(), (long long)num_tokens_, files_.size()));
+                shard_ = load_data_shard(files_[next_file_++]);
+                pos_ = 0;
+                if (num_tokens_ + 1 > (int64_t)shard_->tokens.size())
+                    fail(strprintf("validation shard %s holds %zu tokens, too few for a batch of %lld tokens",
+                                   shard_->path.c_str(), shard_->tokens.size(), (long long)num_tokens_ + 1));
+            }
+            const uint16_t* src = shard_->tokens.data() + pos_ + rank_ * ntl;
+            int64_t ndocs = 0;
+            cu[0] = 0;
+            for (int64_t j = 0; j <= ntl; ++j) tok[j] = src[j];
+            for (int64_t j = 0; j < ntl; ++j) {
+                if (src[j] != BOS_ID) continue;
+                if (ndocs + 2 > max_num_docs)
+                    fail(strprintf("validation batch of %lld tokens from %s holds more than max_num_docs - 1 = %lld "
+                                   "documents", (long long)ntl, shard_->path.c_str(), (long long)max_num_docs - 1));
+                cu[++ndocs] = (int32_t)j;
+            }
+            b.num_docs = ndocs;
+            for (int64_t d = ndocs + 1; d < max_num_docs; ++d) cu[d] = (int32_t)ntl;
+            pos_ += num_tokens_;
+        }
+        return b;
+    }
+
+    // Starts the async copy of a batch to device buffers (tokens: num_tokens+1, cu_seqlens:
+    // max_num_docs ints) on a stream; the host buffer is reused only after the copy is done.
+    void upload(HostBatch& b, int32_t* d_tokens, int32_t* d_cu_seqlens, cudaStream_t stream) {
+        if (!b.copied) CUDA_CHECK(cudaEventCreateWithFlags(&b.copied, cudaEventDisableTiming));
+        CUDA_CHECK(cudaMemcpyAsync(d_tokens, b.tokens_buf.ptr, (b.num_tokens + 1) * sizeof(int32_t),
+                                   cudaMemcpyHostToDevice, stream));
+        CUDA_CHECK(cudaMemcpyAsync(d_cu_seqlens, b.cu_seqlens_buf.ptr, b.max_num_docs * sizeof(int32_t),
+                                   cudaMemcpyHostToDevice, stream));
+        CUDA_CHECK(cudaEventRecord(b.copied, stream));
+    }
+
+    const std::string& current_file() const { return shard_->path; }
+
+   private:
+    void reserve(HostBatch& b, int64_t ntl) {
+        b.tokens_buf.reserve(ntl + 1, opt_.pinned);
+        b.cu_seqlens_buf.reserve(next_multiple_of_n(ntl / 300, 128), opt_.pinned);
+    }
+
+    int rank_, world_size_;
+    LoaderOptions opt_;
+    std::vector<std::string> files_;
+    size_t next_file_ = 0;
+    int64_t num_tokens_ = 0, max_seq_len_ = 0;  // per micro-step over all ranks
+    std::shared_ptr<Shard> shard_;
+    std::unique_ptr<BOSFinder> finder_;
+    std::unique_ptr<DataPreloader> preloader_;
+    int64_t pos_ = 0;  // unaligned reading position
+    std::vector<std::vector<int64_t>> starts_, ends_;
+    HostBatch slots_[2];
+    int slot_ = 0;
+};
+
+// -----------------------------------------------------------------------------
+// Self-logging. The two sources are embedded at build time (TRAIN_GPT_SRC_DIR is set by the
+// Makefile), so a log always holds the code that actually ran.
+
+#ifndef TRAIN_GPT_SRC_DIR
+#error "build with the Makefile: it sets -DTRAIN_GPT_SRC_DIR to the folder of train_gpt.cu"
+#endif
+#if !defined(__CUDA_ARCH__)
+asm(".pushsection .rodata\n"
+    ".global train_gpt_cu_src\n"
+    "train_gpt_cu_src:\n"
+    ".incbin \"" TRAIN_GPT_SRC_DIR "/train_gpt.cu\"\n"
+    ".global train_gpt_cu_src_end\n"
+    "train_gpt_cu_src_end:\n"
+    ".global triton_kernels_cu_src\n"
+    "triton_kernels_cu_src:\n"
+    ".incbin \"" TRAIN_GPT_SRC_DIR "/triton_kernels.cu\"\n"
+    ".global triton_kernels_cu_src_end\n"
+    "triton_kernels_cu_src_end:\n"
+    ".popsection\n");
+#endif
+extern "C" const char train_gpt_cu_src[], train_gpt_cu_src_end[];
+extern "C" const char triton_kernels_cu_src[], triton_kernels_cu_src_end[];
+
+static std::string embedded_train_gpt() { return std::string(train_gpt_cu_src, train_gpt_cu_src_end); }
+static std::string embedded_triton_kernels() { return std::string(triton_kernels_cu_src, triton_kernels_cu_src_end); }
+
+static const std::string LOG_RULE(100, '=');
+static const std::string SOURCE_RULE(40, '-');
+
+// the log's source block, in the records' layout
+static std::string source_block() {
+    return embedded_train_gpt() + "\n\n" + SOURCE_RULE + "\n# triton_kernels.cu\n" + SOURCE_RULE + "\n\n" +
+           embedded_triton_kernels() + "\n";
+}
+
+// The parts of a log that say what ran: each source and the configuration block.
+struct LogParts {
+    std::string train_gpt, triton_kernels, configuration;
+};
+
+static LogParts split_log(const std::string& path) {
+    FILE* f = fopen(path.c_str(), "rb");
+    if (!f) fail(strprintf("cannot open log %s: %s", path.c_str(), strerror(errno)));
+    std::string text;
+    char buf[1 << 16];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
+    fclose(f);
+    const std::string sep = "\n\n" + SOURCE_RULE + "\n# triton_kernels.cu\n" + SOURCE_RULE + "\n\n";
+    const std::string rule = "\n" + LOG_RULE + "\n";
+    size_t a = text.find(sep);
+    if (a == std::string::npos) fail(strprintf("%s is not a train_gpt log: no '# triton_kernels.cu' section", path.c_str()));
+    size_t b = text.find(rule, a + sep.size());
+    if (b == std::string::npos) fail(strprintf("%s is not a train_gpt log: no '=' rule after the sources", path.c_str()));
+    LogParts p;
+    p.train_gpt = text.substr(0, a);
+    p.triton_kernels = text.substr(a + sep.size(), b - (a + sep.size()));
+    if (!p.triton_kernels.empty() && p.triton_kernels.back() == '\n') p.triton_kernels.pop_back();  // print0's newline
+    const std::string cfg_begin = "# configuration\n", cfg_end = "# end configuration\n";
+    size_t c = text.find(cfg_begin, b);
+    size_t d = c == std::string::npos ? c : text.find(cfg_end, c);
+    if (d == std::string::npos) fail(strprintf("%s is not a train_gpt log: no configuration block", path.c_str()));
+    p.configuration = text.substr(c + cfg_begin.size(), d - (c + cfg_begin.size()));
+    return p;
+}
+
+static void write_file(const std::string& path, const std::string& text) {
+    FILE* f = fopen(path.c_str(), "wb");
+    if (!f || fwrite(text.data(), 1, text.size(), f) != text.size() || fclose(f) != 0)
+        fail(strprintf("cannot write %s: %s", path.c_str(), strerror(errno)));
+}
+
+// `--diff-logs A B`: a unified diff (diff -u) of the sources and configuration of two runs.
+// Returns 0 when they are the same, 1 when they differ.
+static int diff_logs(const std::string& log_a, const std::string& log_b) {
+    LogParts pa = split_log(log_a), pb = split_log(log_b);
+    char tmpl[] = "/tmp/train_gpt_diff_XXXXXX";
+    if (!mkdtemp(tmpl)) fail(strprintf("cannot make a temporary folder: %s", strerror(errno)));
+    const std::string dir = tmpl;
+    int status_all = 0;
+    const std::pair<const char*, std::string LogParts::*> parts[] = {
+        {"train_gpt.cu", &LogParts::train_gpt},
+        {"triton_kernels.cu", &LogParts::triton_kernels},
+        {"configuration", &LogParts::configuration}};
+    for (auto& [name, member] : parts) {
+        std::string fa = dir + "/a_" + name, fb = dir + "/b_" + name;
+        write_file(fa, pa.*member);
+        write_file(fb, pb.*member);
+        std::string la = log_a + ":" + name, lb = log_b + ":" + name;
+        const char* argv[] = {"diff", "-u", "--label", la.c_str(), "--label", lb.c_str(), fa.c_str(), fb.c_str(), nullptr};
+        fflush(stdout);
+        pid_t pid;
+        int rc = posix_spawnp(&pid, "diff", nullptr, nullptr, (char* const*)argv, environ);
+        if (rc != 0) fail(strprintf("cannot run diff: %s", strerror(rc)));
+        int status = 0;
+        while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
+        int code = WIFEXITED(status) ? WEXITSTATUS(status) : 2;
+        if (code > 1) fail(strprintf("diff failed on %s (exit %d)", name, code));
+        status_all |= code;
+        unlink(fa.c_str());
+        unlink(fb.c_str());
+    }
+    rmdir(dir.c_str());
+    if (status_all == 0) printf("same sources and configuration\n");
+    return status_all;
+}
+
+static std::string make_uuid4() {
+    unsigned char b[16];
+    FILE* f = fopen("/dev/urandom", "rb");
+    if (!f || fread(b, 1, 16, f) != 16) fail("cannot read /dev/urandom for the run id");
+    fclose(f);
+    b[6] = (b[6] & 0x0f) | 0x40;  // version 4
+    b[8] = (b[8] & 0x3f) | 0x80;  // variant 1
+    return strprintf("%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2], b[3],
+                     b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+}
+
+static std::string run_command(const char* cmd) {
+    std::string out;
+    FILE* p = popen(cmd, "r");
+    if (!p) return strprintf("(%s: could not run)\n", cmd);
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+    int rc = pclose(p);
+    if (rc != 0 && out.empty()) out = strprintf("(%s: not available)\n", cmd);
+    return out;
+}
+
+static std::string versions_text() {
+    int rt = 0, drv = 0, nccl = 0;
+    CUDA_CHECK(cudaRuntimeGetVersion(&rt));
+    CUDA_CHECK(cudaDriverGetVersion(&drv));
+    NCCL_CHECK(ncclGetVersion(&nccl));
+    size_t lt = cublasLtGetVersion();
+    char mpi[MPI_MAX_LIBRARY_VERSION_STRING];
+    int mpi_len = 0;
+    MPI_CHECK(MPI_Get_library_version(mpi, &mpi_len));
+    std::string mpi_line = std::string(mpi, mpi_len);
+    mpi_line = mpi_line.substr(0, mpi_line.find_first_of("\n,"));
+    cudaDeviceProp prop;
+    int dev = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    std::string s;
+    s += strprintf("Compiled with nvcc %d.%d for sm_90a\n", __CUDACC_VER_MAJOR__, __CUDACC_VER_MINOR__);
+    s += strprintf("Running CUDA runtime %d.%d, driver %d.%d\n", rt / 1000, rt % 1000 / 10, drv / 1000, drv % 1000 / 10);
+    s += strprintf("Running cuBLASLt %zu.%zu.%zu\n", lt / 10000, lt % 10000 / 100, lt % 100);
+    s += strprintf("Running NCCL %d.%d.%d\n", nccl / 10000, nccl % 10000 / 100, nccl % 100);
+    s += "Running MPI " + mpi_line + "\n";
+    s += strprintf("GPU: %s, %d SMs, %.1f GiB, compute capability %d.%d\n", prop.name, prop.multiProcessorCount,
+                   prop.totalGlobalMem / 1073741824.0, prop.major, prop.minor);
+    return s;
+}
+
+// The resolved configuration: every flag, then what follows from it. Between two marker lines so
+// --diff-logs can find it.
+static std::string configuration_text(Hyperparameters& a, int world_size, const std::string& data_path,
+                                      const std::string& command_line) {
+    std::string s = "# configuration\n";
+    s += "command_line = " + command_line + "\n";
+    s += "DATA_PATH = " + data_path + "\n";
+    for (const Option& o : options_of(a)) s += std::string(o.name) + " = " + format_option(o) + "\n";
+    auto list = [](const std::vector<int64_t>& v) {
+        std::string r;
+        for (int64_t x : v) r += (r.empty() ? "" : ",") + std::to_string(x);
+        return r;
+    };
+    s += strprintf("model = vocab %d (padded to %d), %d layers, %d heads x %d, dim %d\n", VOCAB_SIZE,
+                   PADDED_VOCAB_SIZE, NUM_LAYERS, NUM_HEADS, HEAD_DIM, MODEL_DIM);
+    s += strprintf("world_size = %d\ngrad_accum_steps = %d\n", world_size, 8 / world_size);
+    s += strprintf("num_iterations = %lld\n", (long long)a.num_iterations());
+    s += strprintf("split_step = %lld\n", (long long)get_split_step(a));
+    s += "transition_steps = " + list(get_transition_steps(a)) + "\n";
+    s += "warmup_steps = " + list(get_warmup_steps(a)) + "\n";
+    // YaRN attention scale after each window change (and for the final validation, no update)
+    YarnState y = yarn_reset(a);
+    std::string scales = format_double(y.attn_scale);
+    int64_t ws_long = get_ws(a, 0).long_ws;
+    for (int64_t step : get_transition_steps(a)) {
+        int64_t w = get_ws(a, step).long_ws;
+        yarn_apply(a, y, ws_long, w);
+        ws_long = w;
+        scales += "," + format_double(y.attn_scale);
+    }
+    s += "yarn_attn_scales = " + scales + "\n";
+    s += "# end configuration\n";
+    return s;
+}
+
+static FILE* g_logfile = nullptr;
+
+// rank 0 writes the log; console=true also prints to stdout
+static void print0(const std::string& s, bool console = false) {
+    if (g_rank != 0) return;
+    if (g_logfile) {
+        fprintf(g_logfile, "%s\n", s.c_str());
+        fflush(g_logfile);
+    }
+    if (console) {
+        printf("%s\n", s.c_str());
+        fflush(stdout);
+    }
+}
+
+static void print_help() {
+    Hyperparameters defaults;
+    printf("usage: mpirun -np N ./train_gpt [--flag value ...]   (N = 1, 2, 4 or 8; one GPU per rank)\n"
+           "       ./train_gpt --print-source                  print the embedded sources\n"
+           "       ./train_gpt --diff-logs A.txt B.txt          diff the sources and configuration of two logs\n"
+           "Data files are found at $DATA_PATH/<train_files|val_files> (DATA_PATH defaults to '.').\n\nflags (default):\n");
+    for (const Option& o : options_of(defaults))
+        printf("  --%-28s %s (%s)\n", o.name, o.help, format_option(o).c_str());
+}
+
+// -----------------------------------------------------------------------------
+// int main
+
+#ifndef TRAIN_GPT_NO_MAIN
+static int trainer_main(int argc, char** argv) {
+    std::vector<std::string> cli(argv + 1, argv + argc);
+    if (!cli.empty() && (cli[0] == "--help" || cli[0] == "-h")) {
+        print_help();
+        return 0;
+    }
+    if (!cli.empty() && cli[0] == "--print-source") {
+        fputs(source_block().c_str(), stdout);
+        return 0;
+    }
+    if (!cli.empty() && cli[0] == "--diff-logs") {
+        if (cli.size() != 3) fail("usage: ./train_gpt --diff-logs A.txt B.txt");
+        return diff_logs(cli[1], cli[2]);
+    }
+
+    MPI_CHECK(MPI_Init(&argc, &argv));
+    g_mpi_up = true;
+    MPI_CHECK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
+    MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &g_rank));
+    MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &g_world_size));
+    const int rank = g_rank, world_size = g_world_size;
+
+    Hyperparameters args;
+    parse_args(args, cli);
+    validate_args(args, world_size);
+    const int grad_accum_steps = 8 / world_size;
+    const char* dp = getenv("DATA_PATH");
+    const std::string data_path = dp ? dp : ".";
+    const std::string train_pattern = join_data_path(data_path, args.train_files);
+    const std::string val_pattern = join_data_path(data_path, args.val_files);
+
+    // one GPU per rank, by rank within the node
+    MPI_Comm node_comm;
+    int local_rank = 0, num_gpus = 0;
+    MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node_comm));
+    MPI_CHECK(MPI_Comm_rank(node_comm, &local_rank));
+    CUDA_CHECK(cudaGetDeviceCount(&num_gpus));
+    if (local_rank >= num_gpus) fail(strprintf("local rank %d has no GPU: this node has %d", local_rank, num_gpus));
+    CUDA_CHECK(cudaSetDevice(local_rank));
+
+    // the run id of rank 0 names the log
+    char run_id[64] = {0};
+    if (rank == 0) snprintf(run_id, sizeof run_id, "%s", args.run_id.empty() ? make_uuid4().c_str() : args.run_id.c_str());
+    MPI_CHECK(MPI_Bcast(run_id, sizeof run_id, MPI_CHAR, 0, MPI_COMM_WORLD));
+    args.run_id = run_id;
+    std::string command_line;
+    for (int i = 0; i < argc; ++i) command_line += (i ? " " : "") + std::string(argv[i]);
+
+    if (rank == 0) {
+        mkdir("logs", 0755);
+        std::string logfile = "logs/" + args.run_id + ".txt";
+        g_logfile = fopen(logfile.c_str(), "w");
+        if (!g_logfile) fail(strprintf("cannot write %s: %s", logfile.c_str(), strerror(errno)));
+        printf("%s\n", logfile.c_str());
+    }
+    print0(source_block() + LOG_RULE);
+    print0(versions_text());
+    print0(configuration_text(args, world_size, data_path, command_line));
+    print0(run_command("nvidia-smi 2>&1"));
+    print0(LOG_RULE);
+
+    // Data: the first training steps and the first validation batch, uploaded to the GPU as the
+    // training loop will do it.
+    int64_t capacity = 0;
+    for (int64_t bs : args.train_bs_schedule) capacity = std::max(capacity, bs);
+    capacity = std::max(capacity, args.train_bs_extension) / 8;
+    LoaderOptions train_opt;
+    train_opt.cycle = args.cycle_data;
+    train_opt.capacity_tokens = capacity;
+    DistributedDataGenerator train_loader(train_pattern, {get_bs(args, 0), args.train_max_seq_len, grad_accum_steps},
+                                          rank, world_size, train_opt);
+    LoaderOptions val_opt;
+    val_opt.align_to_bos = false;
+    DistributedDataGenerator val_loader(val_pattern, {args.val_batch_size, -1, grad_accum_steps}, rank, world_size, val_opt);
+
+    int32_t *d_tokens = nullptr, *d_cu = nullptr;
+    const int64_t max_local = std::max(capacity, args.val_batch_size / 8);
+    CUDA_CHECK(cudaMalloc(&d_tokens, (max_local + 1) * sizeof(int32_t)));
+    CUDA_CHECK(cudaMalloc(&d_cu, next_multiple_of_n(max_local / 300, 128) * sizeof(int32_t)));
+    cudaStream_t stream;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    auto describe = [&](const char* what, HostBatch& b, const std::string& file) {
+        const int32_t* in = b.inputs();
+        return strprintf("%s inputs:(%lld,) targets:(%lld,) cu_seqlens:(%lld,) docs:%lld first:[%d %d %d %d] file:%s",
+                         what, (long long)b.num_tokens, (long long)b.num_tokens, (long long)b.max_num_docs,
+                         (long long)b.num_docs, in[0], in[1], in[2], in[3], file.c_str());
+    };
+    for (int64_t step = 0; step < 2; ++step) {
+        Windows ws = get_ws(args, step);
+        std::string mtp;
+        for (float w : get_mtp_weights(args, step)) mtp += (mtp.empty() ? "" : ",") + format_double(w);
+        print0(strprintf("step:%lld bs:%lld ws:%lld/%lld lr:%s momentum:%s mtp:[%s] adam:%d", (long long)step,
+                         (long long)get_bs(args, step), (long long)ws.short_ws, (long long)ws.long_ws,
+                         format_double(get_lr(args, step)).c_str(), format_double(get_muon_momentum(args, step)).c_str(),
+                         mtp.c_str(), (int)is_adam_step(step)), true);
+        for (int micro = 0; micro < grad_accum_steps; ++micro) {
+            HostBatch& b = train_loader.next();
+            train_loader.upload(b, d_tokens, d_cu, stream);
+            print0(describe(strprintf("train step:%lld micro:%d rank:0", (long long)step, micro).c_str(), b,
+                            train_loader.current_file()), true);
+        }
+    }
+    HostBatch& vb = val_loader.next();
+    val_loader.upload(vb, d_tokens, d_cu, stream);
+    print0(describe("val batch:0 rank:0", vb, val_loader.current_file()), true);
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    print0("training is not implemented yet: the model, optimizer and loop come next", true);
+
+    CUDA_CHECK(cudaFree(d_tokens));
+    CUDA_CHECK(cudaFree(d_cu));
+    CUDA_CHECK(cudaStreamDestroy(stream));
+    if (g_logfile) fclose(g_logfile);
+    MPI_CHECK(MPI_Comm_free(&node_comm));
+    MPI_CHECK(MPI_Finalize());
+    return 0;
+}
+
+int main(int argc, char** argv) {
+    try {
+        return trainer_main(argc, argv);
+    } catch (const std::exception& e) {
+        fatal(e.what());
+    }
+}
+#endif  // TRAIN_GPT_NO_MAIN
