@@ -984,7 +984,6 @@ static LogParts split_log(const std::string& path) {
     LogParts p;
     p.train_gpt = text.substr(0, a);
     p.triton_kernels = text.substr(a + sep.size(), b - (a + sep.size()));
-    if (!p.triton_kernels.empty() && p.triton_kernels.back() == '\n') p.triton_kernels.pop_back();  // print0's newline
     const std::string cfg_begin = "# configuration\n", cfg_end = "# end configuration\n";
     size_t c = text.find(cfg_begin, b);
     size_t d = c == std::string::npos ? c : text.find(cfg_end, c);
