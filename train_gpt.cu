@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <exception>
 #include <fcntl.h>
 #include <functional>
@@ -687,48 +688,63 @@ struct BOSFinder {
     }
 };
 
-// Loads and indexes the next shard on a background thread, so a shard change does not stall.
+// Loads and indexes the next shards on background threads, two ahead, so that neither a shard
+// change nor a shard too short for a batch (which the loader skips) stalls the training loop.
 class DataPreloader {
    public:
+    static constexpr size_t DEPTH = 2;
     DataPreloader(std::vector<std::string> files, size_t next, bool cycle)
-        : files_(std::move(files)), next_(next), cycle_(cycle) {}
-    ~DataPreloader() { join(); }
-
-    void start() {
-        join();
-        result_.reset();
-        error_ = nullptr;
-        if (next_ >= files_.size()) {
-            if (!cycle_) return;
-            next_ = 0;
-        }
-        std::string path = files_[next_++];
-        thread_ = std::thread([this, path] {
-            try {
-                result_ = load_data_shard(path);
-            } catch (...) {
-                error_ = std::current_exception();
-            }
-        });
+        : files_(std::move(files)), next_(next), cycle_(cycle) {
+        fill(nullptr);
+    }
+    ~DataPreloader() {
+        for (auto& slot : queue_) slot->thread.join();
     }
 
-    // the shard loaded by the last start(), or null if the files have ended
-    std::shared_ptr<Shard> get() {
-        join();
-        if (error_) std::rethrow_exception(error_);
-        return result_;
+    // The next file's shard, or null once the files have ended; starts loading another.
+    // `retire` is the shard just finished: it is freed on a thread too, as unmapping a
+    // 200 MB shard takes milliseconds.
+    std::shared_ptr<Shard> get(std::shared_ptr<Shard> retire) {
+        if (queue_.empty()) return nullptr;
+        std::unique_ptr<Slot> slot = std::move(queue_.front());
+        queue_.pop_front();
+        slot->thread.join();
+        if (slot->error) std::rethrow_exception(slot->error);
+        fill(std::move(retire));
+        return slot->result;
     }
 
    private:
-    void join() {
-        if (thread_.joinable()) thread_.join();
+    struct Slot {
+        std::thread thread;
+        std::shared_ptr<Shard> result;
+        std::exception_ptr error;
+    };
+    void fill(std::shared_ptr<Shard> retire) {
+        while (queue_.size() < DEPTH) {
+            if (next_ >= files_.size()) {
+                if (!cycle_) return;
+                next_ = 0;
+            }
+            auto slot = std::make_unique<Slot>();
+            Slot* s = slot.get();
+            std::string path = files_[next_++];
+            s->thread = std::thread([s, path, retire = std::move(retire)]() mutable {
+                retire.reset();
+                try {
+                    s->result = load_data_shard(path);
+                } catch (...) {
+                    s->error = std::current_exception();
+                }
+            });
+            retire = nullptr;
+            queue_.push_back(std::move(slot));
+        }
     }
     std::vector<std::string> files_;
     size_t next_;
     bool cycle_;
-    std::thread thread_;
-    std::shared_ptr<Shard> result_;
-    std::exception_ptr error_;
+    std::deque<std::unique_ptr<Slot>> queue_;
 };
 
 // Host memory for batches: pinned (page-locked, so cudaMemcpyAsync overlaps compute) in the
@@ -803,7 +819,6 @@ class DistributedDataGenerator {
         if (opt_.align_to_bos) {
             finder_ = std::make_unique<BOSFinder>(shard_, opt_.quickload_tokens, opt_.quickload_batches);
             preloader_ = std::make_unique<DataPreloader>(files_, next_file_, opt_.cycle);
-            preloader_->start();
         }
         if (opt_.capacity_tokens > 0)
             for (HostBatch& b : slots_) reserve(b, opt_.capacity_tokens);
@@ -837,15 +852,16 @@ class DistributedDataGenerator {
         int32_t* cu = b.cu_seqlens_buf.ptr;
         if (opt_.align_to_bos) {
             while (!finder_->next_batch(ntl, max_seq_len_, world_size_, starts_, ends_)) {
-                // this shard is exhausted: switch to the preloaded one and start loading the next
-                std::shared_ptr<Shard> s = preloader_->get();
+                // this shard is exhausted: switch to the preloaded next one
+                const std::string finished = shard_->path;
+                finder_.reset();
+                std::shared_ptr<Shard> s = preloader_->get(std::move(shard_));
                 if (!s)
                     fail(strprintf("train data exhausted: %s has too few documents left for a batch of %lld tokens "
                                    "and it is the last file (%zu files; --cycle_data to wrap around)",
-                                   shard_->path.c_str(), (long long)num_tokens_, files_.size()));
+                                   finished.c_str(), (long long)num_tokens_, files_.size()));
                 shard_ = s;
                 finder_ = std::make_unique<BOSFinder>(shard_);
-                preloader_->start();
             }
             const std::vector<int64_t>& st = starts_[rank_];
             const std::vector<int64_t>& en = ends_[rank_];

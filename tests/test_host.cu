@@ -657,7 +657,15 @@ static void test_logging() {
 // ---------------------------------------------------------------------------------------------
 // benchmark: time to build one batch (not a test: prints numbers only)
 
-static int bench_data(const std::string& pattern) {
+// "synthetic": three FineWeb-size shards (100M tokens each) written to a temporary folder
+static int bench_data(std::string pattern) {
+    if (pattern == "synthetic") {
+        std::mt19937_64 rng(3);
+        std::string d = make_dir("bench");
+        for (int i = 0; i < 3; ++i)
+            write_shard(strprintf("%s/fineweb_train_%06d.bin", d.c_str(), i + 1), make_tokens(rng, 100000000, 450, false));
+        pattern = d + "/fineweb_train_*.bin";
+    }
     int ngpu = 0;
     const bool pinned = cudaGetDeviceCount(&ngpu) == cudaSuccess && ngpu > 0;
     cudaGetLastError();  // clear the no-device error where there is no GPU
@@ -671,7 +679,8 @@ static int bench_data(const std::string& pattern) {
         std::vector<double> ms;
         std::string file = gen.current_file();
         std::vector<double> switch_ms;
-        for (int i = 0; i < 120; ++i) {
+        const int batches = pattern.find("fineweb") != std::string::npos ? 1000 : 120;
+        for (int i = 0; i < batches; ++i) {
             if (gap_ms) std::this_thread::sleep_for(std::chrono::milliseconds(gap_ms));  // the GPU's step
             auto t0 = std::chrono::steady_clock::now();
             gen.next();
@@ -683,12 +692,14 @@ static int bench_data(const std::string& pattern) {
             } else ms.push_back(t);
         }
         std::sort(ms.begin(), ms.end());
-        double mean = 0, sw = 0;
+        std::sort(switch_ms.begin(), switch_ms.end());
+        double mean = 0;
         for (double t : ms) mean += t / ms.size();
-        for (double t : switch_ms) sw = std::max(sw, t);
-        printf("batch of 393216 tokens (%s host buffers, %d ms between batches): median %.3f ms, mean %.3f ms, p99 %.3f ms; "
-               "%zu shard changes, slowest %.3f ms\n",
-               pinned ? "pinned" : "pageable", gap_ms, ms[ms.size() / 2], mean, ms[ms.size() * 99 / 100], switch_ms.size(), sw);
+        printf("batch of 393216 tokens (%s host buffers, %2d ms between batches): median %.3f ms, mean %.3f ms, p99 %.3f ms, "
+               "max %.3f ms; at the %zu shard changes: median %.3f ms, max %.3f ms\n",
+               pinned ? "pinned" : "pageable", gap_ms, ms[ms.size() / 2], mean, ms[ms.size() * 99 / 100], ms.back(),
+               switch_ms.size(), switch_ms.empty() ? 0.0 : switch_ms[switch_ms.size() / 2],
+               switch_ms.empty() ? 0.0 : switch_ms.back());
     }
     return 0;
 }
@@ -696,7 +707,14 @@ static int bench_data(const std::string& pattern) {
 int main(int argc, char** argv) {
     std::vector<std::string> cli(argv + 1, argv + argc);
     for (size_t i = 0; i + 1 < cli.size(); ++i) {
-        if (cli[i] == "--bench-data") return bench_data(cli[i + 1]);
+        if (cli[i] == "--bench-data") {
+            char tmpl[] = "/tmp/train_gpt_bench_XXXXXX";
+            if (!mkdtemp(tmpl)) return 1;
+            g_tmp = tmpl;
+            int rc = bench_data(cli[i + 1]);
+            run_shell("rm -rf '" + g_tmp + "'");
+            return rc;
+        }
         if (cli[i] == "--binary") g_binary = cli[i + 1];
         if (cli[i] == "--python") g_python = cli[i + 1];
     }
