@@ -143,6 +143,7 @@ static bool g_mpi_up = false;
 
 // Stops every rank: MPI_Abort takes the whole job down, so no rank waits forever in a collective.
 [[noreturn]] static void fatal(const std::string& msg) {
+    fflush(stdout);
     fprintf(stderr, "[rank %d] error: %s\n", g_rank, msg.c_str());
     fflush(stderr);
     if (g_mpi_up && g_world_size > 1) MPI_Abort(MPI_COMM_WORLD, 1);

@@ -704,8 +704,23 @@ static int bench_data(std::string pattern) {
     return 0;
 }
 
+// `--dump-loader PATTERN WORLD STEPS OUT [unaligned]`: every rank's micro-batches for the given
+// tokens-per-step list, in loader_ref.py's format (OUT.r<rank>), for comparisons with other loaders
+static int dump_loader(const std::vector<std::string>& a) {
+    Scenario s;
+    s.pattern = a[0];
+    s.world = std::stoi(a[1]);
+    s.accum = 8 / s.world;
+    for (const std::string& x : split(a[2], ',')) s.steps.push_back(std::stoll(x));
+    s.aligned = !(a.size() > 4 && a[4] == "unaligned");
+    s.max_seq_len = s.aligned ? 2048 : -1;
+    for (int r = 0; r < s.world; ++r) write_file(a[3] + ".r" + std::to_string(r), run_cpp(s, r));
+    return 0;
+}
+
 int main(int argc, char** argv) {
     std::vector<std::string> cli(argv + 1, argv + argc);
+    if (cli.size() >= 5 && cli[0] == "--dump-loader") return dump_loader(std::vector<std::string>(cli.begin() + 1, cli.end()));
     for (size_t i = 0; i + 1 < cli.size(); ++i) {
         if (cli[i] == "--bench-data") {
             char tmpl[] = "/tmp/train_gpt_bench_XXXXXX";
