@@ -31,10 +31,10 @@ all: train_gpt
 train_gpt: $(SOURCES)
 	$(NVCC) $(NVCCFLAGS) -o $@ train_gpt.cu $(LDLIBS)
 
-tests/test_host: tests/test_host.cu $(SOURCES)
+tests/test_host: tests/test_host.cu tests/testing.h $(SOURCES)
 	$(NVCC) $(NVCCFLAGS) -o $@ tests/test_host.cu $(LDLIBS)
 
-tests/test_gpu: tests/test_gpu.cu $(SOURCES)
+tests/test_gpu: tests/test_gpu.cu tests/testing.h $(SOURCES)
 	$(NVCC) $(NVCCFLAGS) -o $@ tests/test_gpu.cu $(LDLIBS)
 
 test: train_gpt tests/test_host

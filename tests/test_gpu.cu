@@ -6,35 +6,14 @@
 #define TRAIN_GPT_NO_MAIN
 #include "../train_gpt.cu"
 
-#include <random>
-
-static int g_passed = 0, g_failed = 0;
-#define CHECK(cond, ...)                                                                                 \
-    do {                                                                                                 \
-        if (cond) ++g_passed;                                                                            \
-        else {                                                                                           \
-            ++g_failed;                                                                                  \
-            printf("FAIL %s:%d: %s: %s\n", __FILE__, __LINE__, #cond, strprintf(__VA_ARGS__).c_str()); \
-        }                                                                                                \
-    } while (0)
+#include "testing.h"
 
 // batches built in pinned memory and copied with cudaMemcpyAsync arrive intact, and the loader
 // waits for a buffer's copy before it refills that buffer
 static void test_upload(const std::string& dir) {
     std::mt19937_64 rng(5);
-    std::uniform_int_distribution<int> tok(0, BOS_ID - 1);
-    std::vector<uint16_t> t;
-    while (t.size() < 600000) {
-        t.push_back(BOS_ID);
-        int len = 1 + (int)(rng() % 900);
-        for (int i = 1; i < len; ++i) t.push_back((uint16_t)tok(rng));
-    }
     std::string path = dir + "/gpu_shard.bin";
-    int32_t header[SHARD_HEADER_INTS] = {SHARD_MAGIC, SHARD_VERSION, (int32_t)t.size()};
-    FILE* f = fopen(path.c_str(), "wb");
-    fwrite(header, 4, SHARD_HEADER_INTS, f);
-    fwrite(t.data(), 2, t.size(), f);
-    fclose(f);
+    write_shard(path, make_tokens(rng, 600000, 450, false));
 
     LoaderOptions o;
     o.pinned = true;
