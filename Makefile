@@ -43,9 +43,13 @@ test: train_gpt tests/test_host
 test-gpu: tests/test_gpu
 	./tests/test_gpu
 
+tests/libattention.so: tests/attention_lib.cu triton_kernels.cu
+	$(NVCC) -O3 -std=c++17 $(ARCH) -Xcompiler -fPIC -shared -o $@ tests/attention_lib.cu
+
 BENCH_DATA ?= data/textmix/textmix_train_*.bin
-bench: tests/test_host
+bench: tests/test_host tests/libattention.so
 	./tests/test_host --bench-data '$(BENCH_DATA)'
+	$(PYTHON) tests/bench_attention.py
 
 clean:
-	rm -f train_gpt tests/test_host tests/test_gpu
+	rm -f train_gpt tests/test_host tests/test_gpu tests/libattention.so

@@ -1,8 +1,578 @@
 // triton_kernels.cu: the custom CUDA kernels of the trainer, included by train_gpt.cu.
 //
-// Named after record 61's triton_kernels.py so the two map one to one. It will hold the kernels
-// that the Python record gets from Triton and FlashAttention-3: the symmetric X@X^T and
-// b*A + c*A@A of Polar Express, the fused linear+ReLU^2, the fused soft-capped multi-token-
-// prediction cross-entropy, the tiled transposes of the tied embedding, and varlen sliding-window
-// attention. Every kernel here has an oracle test in tests/.
+// Named after record 61's triton_kernels.py so the two map one to one. It holds the kernels that
+// the Python record gets from Triton and FlashAttention-3; each has an oracle test in tests/.
+// So far: varlen causal sliding-window flash attention (forward and deterministic backward).
+// To come: the symmetric X@X^T and b*A + c*A@A of Polar Express, the fused linear+ReLU^2, the
+// fused soft-capped multi-token-prediction cross-entropy, the tiled transposes of the tied embedding.
 #pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <cstdint>
+
+// -----------------------------------------------------------------------------
+// Warp-level building blocks: bf16 tensor-core MMA (m16n8k16, fp32 accumulate), ldmatrix,
+// cp.async. Fragment layouts are the PTX ISA's for mma.m16n8k16 with .bf16 inputs.
+
+namespace tk {
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// 16-byte async copy global -> shared; src_bytes 0 fills the 16 bytes with zeros
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+}  // namespace tk
+
+// -----------------------------------------------------------------------------
+// Attention: what record 61 gets from FlashAttention-3's flash_attn_varlen_func with causal=True
+// and window_size=(window, 0): query i sees key j of the same sequence iff i - window <= j <= i.
+// bf16 q, k, v of (positions, heads, 128) with any position stride (so q, k, v can be views of
+// one QKV buffer), sequences given by cu_seqlens (int32, padded with repeated final values, each
+// entry times cu_mult: 2 for the paired-head layout, whose 2T positions interleave head pairs).
+// Online-softmax tiles (FlashAttention-2 schedule) on mma.sync; the backward is deterministic:
+// dK/dV by key tile and dQ by query tile in two kernels, no atomics.
+
+namespace attn {
+
+constexpr int D = 128;        // head dim
+constexpr int BLOCK = 64;     // queries (or keys) per CTA and keys (or queries) per inner tile
+constexpr int THREADS = 128;  // 4 warps, 16 rows each
+constexpr int TILE_BYTES = BLOCK * D * 2;
+constexpr float LOG2E = 1.4426950408889634f;
+
+struct Params {
+    const __nv_bfloat16 *q, *k, *v;
+    int64_t q_stride, k_stride, v_stride;  // elements between positions; heads are D apart
+    __nv_bfloat16* o;
+    int64_t o_stride;
+    float* lse;  // (heads, positions), natural log
+    const int* cu_seqlens;
+    int cu_len;      // entries of cu_seqlens (sequences + 1)
+    int cu_mult;     // positions per cu_seqlens unit
+    int positions;   // total positions
+    int heads;
+    int window;      // left window in positions
+    float scale;     // softmax scale
+    // backward
+    const __nv_bfloat16* dout;
+    int64_t dout_stride;
+    __nv_bfloat16 *dq, *dk, *dv;
+    int64_t dq_stride, dk_stride, dv_stride;
+    float* delta;  // (heads, positions) workspace: rowsum(dout * out)
+};
+
+// The CTA's tile: the t-th BLOCK-sized tile over all sequences, in order. One warp scans
+// cu_seqlens 32 sequences at a time. Returns false for CTAs past the last tile.
+__device__ __forceinline__ bool find_tile(const Params& p, int tile, int& s0, int& s1, int& start) {
+    const int lane = threadIdx.x & 31;
+    int base_tiles = 0;
+    for (int s = 0; s < p.cu_len - 1; s += 32) {
+        int idx = s + lane;
+        int n = 0, a = 0, b = 0;
+        if (idx < p.cu_len - 1) {
+            a = p.cu_seqlens[idx] * p.cu_mult;
+            b = p.cu_seqlens[idx + 1] * p.cu_mult;
+            n = b > a ? (b - a + BLOCK - 1) / BLOCK : 0;
+        }
+        int incl = n;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            int t = __shfl_up_sync(0xffffffffu, incl, off);
+            if (lane >= off) incl += t;
+        }
+        unsigned hit = __ballot_sync(0xffffffffu, base_tiles + incl > tile && n > 0);
+        if (hit) {
+            int src = __ffs(hit) - 1;
+            int excl = __shfl_sync(0xffffffffu, incl - n, src);
+            s0 = __shfl_sync(0xffffffffu, a, src);
+            s1 = __shfl_sync(0xffffffffu, b, src);
+            start = s0 + (tile - base_tiles - excl) * BLOCK;
+            return true;
+        }
+        base_tiles += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    return false;
+}
+
+// Swizzled 64 x 128 bf16 tile in shared memory: row r, 16-byte chunk c lives at chunk c ^ (r & 7),
+// so the 8 rows an ldmatrix phase reads fall in distinct banks.
+__device__ __forceinline__ uint32_t tile_addr(uint32_t base, int row, int col) {
+    return base + row * (D * 2) + ((((col >> 3) ^ row) & 7) | ((col >> 3) & 8)) * 16 + (col & 7) * 2;
+}
+
+// Async copy of rows [row0, row0 + 64) of one head into a swizzled tile; rows >= row_end are zeros.
+__device__ __forceinline__ void load_tile(uint32_t smem, const __nv_bfloat16* base, int64_t stride, int row0,
+                                          int row_end) {
+    const int tid = threadIdx.x;
+    const int chunk = tid & 15;
+#pragma unroll
+    for (int i = 0; i < BLOCK * 16 / THREADS; ++i) {
+        int r = (tid >> 4) + i * (THREADS / 16);
+        int g = row0 + r;
+        bool ok = g < row_end;
+        const __nv_bfloat16* src = base + (ok ? (int64_t)g * stride + chunk * 8 : 0);
+        tk::cp_async16(tile_addr(smem, r, chunk * 8), src, ok ? 16 : 0);
+    }
+}
+
+// A fragment (16 x 16 at rows r0.., cols c0..) of a swizzled tile
+__device__ __forceinline__ void load_a(uint32_t a[4], uint32_t smem, int r0, int c0) {
+    const int lane = threadIdx.x & 31;
+    tk::ldmatrix_x4(a, tile_addr(smem, r0 + (lane & 7) + ((lane >> 3) & 1) * 8, c0 + (lane >> 4) * 8));
+}
+// B fragments of two n8 tiles (rows n0.., n0+8..) x k16 (cols k0..) of a tile stored [n][k]
+__device__ __forceinline__ void load_b(uint32_t b[4], uint32_t smem, int n0, int k0) {
+    const int lane = threadIdx.x & 31;
+    tk::ldmatrix_x4(b, tile_addr(smem, n0 + (lane & 7) + (lane >> 4) * 8, k0 + ((lane >> 3) & 1) * 8));
+}
+// B fragments of k16 (rows k0..) x two n8 tiles (cols n0.., n0+8..) of a tile stored [k][n]
+__device__ __forceinline__ void load_b_trans(uint32_t b[4], uint32_t smem, int k0, int n0) {
+    const int lane = threadIdx.x & 31;
+    tk::ldmatrix_x4_trans(b, tile_addr(smem, k0 + (lane & 7) + ((lane >> 3) & 1) * 8, n0 + (lane >> 4) * 8));
+}
+
+// acc[8][4] (16 x 64) += A (16 x 128, rows r0 of tile a) . B^T (B: 64 x 128 tile b stored [n][k])
+__device__ __forceinline__ void gemm_abt(float acc[8][4], uint32_t a_tile, int r0, uint32_t b_tile) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        load_a(a, a_tile, r0, kk * 16);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+            uint32_t b[4];
+            load_b(b, b_tile, np * 16, kk * 16);
+            tk::mma_bf16(acc[2 * np], a, b[0], b[1]);
+            tk::mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+        }
+    }
+}
+// same, with the A fragments already in registers
+__device__ __forceinline__ void gemm_abt_reg(float acc[8][4], const uint32_t af[D / 16][4], uint32_t b_tile) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+            uint32_t b[4];
+            load_b(b, b_tile, np * 16, kk * 16);
+            tk::mma_bf16(acc[2 * np], af[kk], b[0], b[1]);
+            tk::mma_bf16(acc[2 * np + 1], af[kk], b[2], b[3]);
+        }
+    }
+}
+// acc[16][4] (16 x 128) += P (16 x 64, bf16 A fragments) . B (64 x 128 tile stored [k][n])
+__device__ __forceinline__ void gemm_pb(float acc[16][4], const uint32_t pf[4][4], uint32_t b_tile) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int dp = 0; dp < 8; ++dp) {
+            uint32_t b[4];
+            load_b_trans(b, b_tile, kk * 16, dp * 16);
+            tk::mma_bf16(acc[2 * dp], pf[kk], b[0], b[1]);
+            tk::mma_bf16(acc[2 * dp + 1], pf[kk], b[2], b[3]);
+        }
+    }
+}
+
+// Stores a warp's 16 x 128 fp32 accumulator rows as bf16 (times mul); rows >= row_end are skipped.
+__device__ __forceinline__ void store_rows(__nv_bfloat16* base, int64_t stride, int row0, int row_end,
+                                           const float acc[16][4], float mul_lo, float mul_hi) {
+    const int lane = threadIdx.x & 31;
+    const int r = row0 + (lane >> 2);
+#pragma unroll
+    for (int dt = 0; dt < 16; ++dt) {
+        int c = dt * 8 + (lane & 3) * 2;
+        if (r < row_end)
+            *reinterpret_cast<uint32_t*>(base + (int64_t)r * stride + c) =
+                tk::pack_bf16(acc[dt][0] * mul_lo, acc[dt][1] * mul_lo);
+        if (r + 8 < row_end)
+            *reinterpret_cast<uint32_t*>(base + (int64_t)(r + 8) * stride + c) =
+                tk::pack_bf16(acc[dt][2] * mul_hi, acc[dt][3] * mul_hi);
+    }
+}
+
+// C fragments of a 16 x 64 fp32 tile -> bf16 A fragments of the same 16 x 64 (4 k-steps)
+__device__ __forceinline__ void to_a_frags(uint32_t pf[4][4], const float s[8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        pf[kk][0] = tk::pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+        pf[kk][1] = tk::pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+        pf[kk][2] = tk::pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pf[kk][3] = tk::pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+}
+
+// element (nt, e) of the 16 x 64 C fragments that to_a_frags packed, back as fp32
+__device__ __forceinline__ float frag_value(const uint32_t pf[4][4], int nt, int e) {
+    uint32_t w = pf[nt >> 1][(nt & 1) * 2 + (e >> 1)];
+    __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&w);
+    return (e & 1) ? __high2float(v) : __low2float(v);
+}
+
+__device__ __forceinline__ bool visible(int i, int j, int s1, int window) {
+    return j <= i && i - j <= window && i < s1 && j < s1;
+}
+
+// ---- forward: one CTA per (64-query tile, head) ----
+__global__ void __launch_bounds__(THREADS) attn_fwd_kernel(const Params p) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    int s0, s1, q0;
+    if (!find_tile(p, blockIdx.x, s0, s1, q0)) return;
+    const int h = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const uint32_t sQ = tk::smem_u32(smem), sK = sQ + TILE_BYTES, sV = sQ + 3 * TILE_BYTES;
+    const __nv_bfloat16* qh = p.q + h * D;
+    const __nv_bfloat16* kh = p.k + h * D;
+    const __nv_bfloat16* vh = p.v + h * D;
+
+    const int q_end = min(q0 + BLOCK, s1);
+    const int k_lo = max(s0, q0 - p.window);
+    const int kb_first = s0 + (k_lo - s0) / BLOCK * BLOCK;
+    const int nblocks = (q_end - kb_first + BLOCK - 1) / BLOCK;
+
+    load_tile(sQ, qh, p.q_stride, q0, s1);
+    load_tile(sK, kh, p.k_stride, kb_first, s1);
+    tk::cp_async_commit();
+    load_tile(sV, vh, p.v_stride, kb_first, s1);
+    tk::cp_async_commit();
+
+    const float sl2 = p.scale * LOG2E;
+    float o[16][4] = {};
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    uint32_t qf[D / 16][4];
+    const int row_lo = q0 + warp * 16 + (lane >> 2);  // this thread's rows: row_lo, row_lo + 8
+
+    for (int nb = 0; nb < nblocks; ++nb) {
+        const int k0 = kb_first + nb * BLOCK;
+        const int buf = nb & 1;
+        const uint32_t kt = sK + buf * TILE_BYTES, vt = sV + buf * TILE_BYTES;
+        const bool has_next = nb + 1 < nblocks;
+        tk::cp_async_wait<1>();
+        __syncthreads();
+        if (nb == 0) {
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) load_a(qf[kk], sQ, warp * 16, kk * 16);
+        }
+        if (has_next) {
+            load_tile(sK + (buf ^ 1) * TILE_BYTES, kh, p.k_stride, k0 + BLOCK, s1);
+            tk::cp_async_commit();
+        }
+        float s[8][4] = {};
+        gemm_abt_reg(s, qf, kt);
+
+        const bool need_mask = k0 + BLOCK - 1 > q0 || k0 < q0 + BLOCK - 1 - p.window || k0 + BLOCK > s1;
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[nt][e] * sl2;
+                if (need_mask) {
+                    int i = row_lo + (e >> 1) * 8, j = k0 + nt * 8 + (lane & 3) * 2 + (e & 1);
+                    if (!visible(i, j, s1, p.window)) x = -INFINITY;
+                }
+                s[nt][e] = x;
+                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
+        float alpha[2], mu[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            float mn = fmaxf(m[r], mx[r]);
+            mu[r] = mn == -INFINITY ? 0.f : mn;  // a row with nothing visible yet
+            alpha[r] = exp2f(m[r] - mu[r]);
+            m[r] = mn;
+        }
+        float rs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float pv = exp2f(s[nt][e] - mu[e >> 1]);
+                s[nt][e] = pv;
+                rs[e >> 1] += pv;
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + rs[r];
+#pragma unroll
+        for (int dt = 0; dt < 16; ++dt) {
+            o[dt][0] *= alpha[0], o[dt][1] *= alpha[0];
+            o[dt][2] *= alpha[1], o[dt][3] *= alpha[1];
+        }
+        uint32_t pf[4][4];
+        to_a_frags(pf, s);
+
+        if (has_next) tk::cp_async_wait<1>();
+        else tk::cp_async_wait<0>();
+        __syncthreads();
+        if (has_next) {
+            load_tile(sV + (buf ^ 1) * TILE_BYTES, vh, p.v_stride, k0 + BLOCK, s1);
+            tk::cp_async_commit();
+        }
+        gemm_pb(o, pf, vt);
+    }
+
+    float inv[2], lse[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        lse[r] = l[r] > 0.f ? (m[r] + log2f(l[r])) / LOG2E : -INFINITY;
+    }
+    store_rows(p.o + h * D, p.o_stride, q0 + warp * 16, s1, o, inv[0], inv[1]);
+    if ((lane & 3) == 0) {
+        if (row_lo < s1) p.lse[(int64_t)h * p.positions + row_lo] = lse[0];
+        if (row_lo + 8 < s1) p.lse[(int64_t)h * p.positions + row_lo + 8] = lse[1];
+    }
+}
+
+// ---- backward preprocess: delta = rowsum(dout * out), one warp per (position, head) ----
+__global__ void attn_bwd_delta_kernel(const Params p) {
+    const int64_t w = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (w >= (int64_t)p.positions * p.heads) return;
+    const int i = (int)(w / p.heads), h = (int)(w % p.heads);
+    const uint2 a = *reinterpret_cast<const uint2*>(p.dout + i * p.dout_stride + h * D + lane * 4);
+    const uint2 b = *reinterpret_cast<const uint2*>(p.o + i * p.o_stride + h * D + lane * 4);
+    const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);
+    const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&b);
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        float2 x = __bfloat1622float2(a2[k]), y = __bfloat1622float2(b2[k]);
+        sum += x.x * y.x + x.y * y.y;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) p.delta[(int64_t)h * p.positions + i] = sum;
+}
+
+// loads 64 floats of a (heads, positions) row into shared memory, log2-scaled; past the end: 0
+__device__ __forceinline__ void load_row_stats(float* dst, const float* src, int i0, int end, float mul) {
+    const int t = threadIdx.x;
+    if (t < BLOCK) dst[t] = i0 + t < end ? src[i0 + t] * mul : 0.f;
+}
+
+// ---- backward dK, dV: one CTA per (64-key tile, head), over the query tiles that see it ----
+__global__ void __launch_bounds__(THREADS) attn_bwd_dkdv_kernel(const Params p) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    int s0, s1, k0;
+    if (!find_tile(p, blockIdx.x, s0, s1, k0)) return;
+    const int h = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const uint32_t sK = tk::smem_u32(smem), sV = sK + TILE_BYTES, sQ = sK + 2 * TILE_BYTES,
+                   sO = sK + 4 * TILE_BYTES;  // sQ[2], sdO[2]
+    float* sL = reinterpret_cast<float*>(smem + 6 * TILE_BYTES);  // [2][64] lse * log2e
+    float* sDl = sL + 2 * BLOCK;                                    // [2][64] delta
+    const __nv_bfloat16* qh = p.q + h * D;
+    const __nv_bfloat16* doh = p.dout + h * D;
+    const float* lse_h = p.lse + (int64_t)h * p.positions;
+    const float* delta_h = p.delta + (int64_t)h * p.positions;
+
+    const int k_end = min(k0 + BLOCK, s1);
+    const int q_hi = (int)min((int64_t)s1, (int64_t)k_end + p.window);  // queries [k0, q_hi) see this tile
+    const int nblocks = (q_hi - k0 + BLOCK - 1) / BLOCK;
+
+    load_tile(sK, p.k + h * D, p.k_stride, k0, s1);
+    load_tile(sV, p.v + h * D, p.v_stride, k0, s1);
+    load_tile(sQ, qh, p.q_stride, k0, s1);
+    load_tile(sO, doh, p.dout_stride, k0, s1);
+    tk::cp_async_commit();
+    load_row_stats(sL, lse_h, k0, s1, LOG2E);
+    load_row_stats(sDl, delta_h, k0, s1, 1.f);
+
+    const float sl2 = p.scale * LOG2E;
+    float dk[16][4] = {}, dv[16][4] = {};
+    const int key_lo = k0 + warp * 16 + (lane >> 2);  // this thread's keys: key_lo, key_lo + 8
+
+    for (int nb = 0; nb < nblocks; ++nb) {
+        const int qb = k0 + nb * BLOCK;
+        const int buf = nb & 1;
+        const uint32_t qt = sQ + buf * TILE_BYTES, ot = sO + buf * TILE_BYTES;
+        const float* L = sL + buf * BLOCK;
+        const float* Dl = sDl + buf * BLOCK;
+        tk::cp_async_wait<0>();
+        __syncthreads();
+        if (nb + 1 < nblocks) {  // prefetch the next query tile while this one is used
+            load_tile(sQ + (buf ^ 1) * TILE_BYTES, qh, p.q_stride, qb + BLOCK, s1);
+            load_tile(sO + (buf ^ 1) * TILE_BYTES, doh, p.dout_stride, qb + BLOCK, s1);
+            tk::cp_async_commit();
+            load_row_stats(sL + (buf ^ 1) * BLOCK, lse_h, qb + BLOCK, s1, LOG2E);
+            load_row_stats(sDl + (buf ^ 1) * BLOCK, delta_h, qb + BLOCK, s1, 1.f);
+        }
+        // P^T = exp(S^T - lse), S^T = K Q^T (16 keys x 64 queries per warp)
+        float s[8][4] = {};
+        gemm_abt(s, sK, warp * 16, qt);
+        const bool need_mask = qb < k0 + BLOCK - 1 || qb + BLOCK - 1 - k0 > p.window || qb + BLOCK > s1;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int c = nt * 8 + (lane & 3) * 2 + (e & 1);
+                float pv = exp2f(s[nt][e] * sl2 - L[c]);
+                if (need_mask && !visible(qb + c, key_lo + (e >> 1) * 8, s1, p.window)) pv = 0.f;
+                s[nt][e] = pv;
+            }
+        uint32_t pf[4][4];
+        to_a_frags(pf, s);  // P in bf16, as it enters the products (keeps registers for dK, dV)
+        gemm_pb(dv, pf, ot);  // dV += P^T dO
+        // dP^T = V dO^T, dS^T = P^T (dP^T - delta)
+        float dp[8][4] = {};
+        gemm_abt(dp, sV, warp * 16, ot);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int c = nt * 8 + (lane & 3) * 2 + (e & 1);
+                dp[nt][e] = frag_value(pf, nt, e) * (dp[nt][e] - Dl[c]);
+            }
+        uint32_t dsf[4][4];
+        to_a_frags(dsf, dp);
+        gemm_pb(dk, dsf, qt);  // dK += dS^T Q
+        __syncthreads();       // this buffer is refilled two iterations on
+    }
+    store_rows(p.dk + h * D, p.dk_stride, k0 + warp * 16, s1, dk, p.scale, p.scale);
+    store_rows(p.dv + h * D, p.dv_stride, k0 + warp * 16, s1, dv, 1.f, 1.f);
+    (void)key_lo;
+}
+
+// ---- backward dQ: one CTA per (64-query tile, head), over the key tiles it sees ----
+__global__ void __launch_bounds__(THREADS) attn_bwd_dq_kernel(const Params p) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    int s0, s1, q0;
+    if (!find_tile(p, blockIdx.x, s0, s1, q0)) return;
+    const int h = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const uint32_t sQ = tk::smem_u32(smem), sO = sQ + TILE_BYTES, sKV = sQ + 2 * TILE_BYTES;  // (K, V)[2]
+    const __nv_bfloat16* kh = p.k + h * D;
+    const __nv_bfloat16* vh = p.v + h * D;
+
+    const int q_end = min(q0 + BLOCK, s1);
+    const int k_lo = max(s0, q0 - p.window);
+    const int kb_first = s0 + (k_lo - s0) / BLOCK * BLOCK;
+    const int nblocks = (q_end - kb_first + BLOCK - 1) / BLOCK;
+
+    load_tile(sQ, p.q + h * D, p.q_stride, q0, s1);
+    load_tile(sO, p.dout + h * D, p.dout_stride, q0, s1);
+    load_tile(sKV, kh, p.k_stride, kb_first, s1);
+    load_tile(sKV + TILE_BYTES, vh, p.v_stride, kb_first, s1);
+    tk::cp_async_commit();
+
+    const float sl2 = p.scale * LOG2E;
+    const int row_lo = q0 + warp * 16 + (lane >> 2);
+    float lse2[2], dl[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int i = row_lo + r * 8;
+        lse2[r] = i < s1 ? p.lse[(int64_t)h * p.positions + i] * LOG2E : 0.f;
+        dl[r] = i < s1 ? p.delta[(int64_t)h * p.positions + i] : 0.f;
+    }
+    float dq[16][4] = {};
+    for (int nb = 0; nb < nblocks; ++nb) {
+        const int k0 = kb_first + nb * BLOCK;
+        const int buf = nb & 1;
+        const uint32_t kt = sKV + buf * 2 * TILE_BYTES, vt = kt + TILE_BYTES;
+        tk::cp_async_wait<0>();
+        __syncthreads();
+        if (nb + 1 < nblocks) {
+            const uint32_t next = sKV + (buf ^ 1) * 2 * TILE_BYTES;
+            load_tile(next, kh, p.k_stride, k0 + BLOCK, s1);
+            load_tile(next + TILE_BYTES, vh, p.v_stride, k0 + BLOCK, s1);
+            tk::cp_async_commit();
+        }
+        float s[8][4] = {};
+        gemm_abt(s, sQ, warp * 16, kt);
+        const bool need_mask = k0 + BLOCK - 1 > q0 || k0 < q0 + BLOCK - 1 - p.window || k0 + BLOCK > s1;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float pv = exp2f(s[nt][e] * sl2 - lse2[e >> 1]);
+                if (need_mask && !visible(row_lo + (e >> 1) * 8, k0 + nt * 8 + (lane & 3) * 2 + (e & 1), s1, p.window))
+                    pv = 0.f;
+                s[nt][e] = pv;
+            }
+        float dp[8][4] = {};
+        gemm_abt(dp, sO, warp * 16, vt);  // dP = dO V^T
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - dl[e >> 1]);
+        uint32_t dsf[4][4];
+        to_a_frags(dsf, dp);
+        gemm_pb(dq, dsf, kt);  // dQ += dS K
+        __syncthreads();
+    }
+    store_rows(p.dq + h * D, p.dq_stride, q0 + warp * 16, s1, dq, p.scale, p.scale);
+}
+
+constexpr int FWD_SMEM = 5 * TILE_BYTES;                      // Q, K[2], V[2]
+constexpr int DKDV_SMEM = 6 * TILE_BYTES + 4 * BLOCK * 4;      // K, V, Q[2], dO[2], lse[2], delta[2]
+constexpr int DQ_SMEM = 6 * TILE_BYTES;                       // Q, dO, (K, V)[2]
+
+// CTAs: an upper bound on the 64-row tiles over all sequences (positions/64 + sequences)
+inline dim3 grid_of(const Params& p) { return dim3((unsigned)(p.positions / BLOCK + p.cu_len), (unsigned)p.heads); }
+
+}  // namespace attn
+
+// Forward: out and lse from q, k, v. Returns the launch error, if any.
+inline cudaError_t attention_forward(const attn::Params& p, cudaStream_t stream) {
+    static bool configured = false;
+    if (!configured) {
+        cudaError_t e = cudaFuncSetAttribute(attn::attn_fwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, attn::FWD_SMEM);
+        if (e != cudaSuccess) return e;
+        configured = true;
+    }
+    attn::attn_fwd_kernel<<<attn::grid_of(p), attn::THREADS, attn::FWD_SMEM, stream>>>(p);
+    return cudaGetLastError();
+}
+
+// Backward: dq, dk, dv from dout, out, lse (p.delta: a heads x positions fp32 workspace).
+inline cudaError_t attention_backward(const attn::Params& p, cudaStream_t stream) {
+    static bool configured = false;
+    if (!configured) {
+        cudaError_t e = cudaFuncSetAttribute(attn::attn_bwd_dkdv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, attn::DKDV_SMEM);
+        if (e == cudaSuccess)
+            e = cudaFuncSetAttribute(attn::attn_bwd_dq_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, attn::DQ_SMEM);
+        if (e != cudaSuccess) return e;
+        configured = true;
+    }
+    const int64_t warps = (int64_t)p.positions * p.heads;
+    attn::attn_bwd_delta_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, stream>>>(p);
+    attn::attn_bwd_dkdv_kernel<<<attn::grid_of(p), attn::THREADS, attn::DKDV_SMEM, stream>>>(p);
+    attn::attn_bwd_dq_kernel<<<attn::grid_of(p), attn::THREADS, attn::DQ_SMEM, stream>>>(p);
+    return cudaGetLastError();
+}

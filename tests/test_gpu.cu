@@ -50,6 +50,248 @@ static void test_upload(const std::string& dir) {
     unlink(path.c_str());
 }
 
+// ---------------------------------------------------------------------------------------------
+// attention against an fp32 reference (one warp per row, plain loops, no tiling)
+
+struct RefArgs {
+    const float *q, *k, *v, *dout;  // (positions, heads, 128) contiguous, the bf16 inputs widened
+    const int *seq_lo, *seq_hi;      // each position's sequence [lo, hi)
+    int positions, heads, window;
+    float scale;
+};
+
+__global__ void ref_attn_fwd(RefArgs a, float* out, float* lse) {
+    const int64_t w = (int64_t)blockIdx.x * 4 + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (w >= (int64_t)a.positions * a.heads) return;
+    const int i = (int)(w / a.heads), h = (int)(w % a.heads);
+    const float* qi = a.q + ((int64_t)i * a.heads + h) * 128;
+    float m = -INFINITY, l = 0.f, acc[4] = {0, 0, 0, 0};
+    for (int j = max(a.seq_lo[i], i - a.window); j <= i; ++j) {
+        const float* kj = a.k + ((int64_t)j * a.heads + h) * 128;
+        const float* vj = a.v + ((int64_t)j * a.heads + h) * 128;
+        float s = 0.f;
+        for (int d = lane; d < 128; d += 32) s += qi[d] * kj[d];
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        s *= a.scale;
+        float mn = fmaxf(m, s), corr = expf(m - mn), p = expf(s - mn);
+        l = l * corr + p;
+        for (int t = 0; t < 4; ++t) acc[t] = acc[t] * corr + p * vj[lane + 32 * t];
+        m = mn;
+    }
+    for (int t = 0; t < 4; ++t) out[((int64_t)i * a.heads + h) * 128 + lane + 32 * t] = acc[t] / l;
+    if (lane == 0) lse[(int64_t)h * a.positions + i] = m + logf(l);
+}
+
+// dQ by rows (warp per query), dK and dV by columns (warp per key); delta = rowsum(dout * out_ref)
+__global__ void ref_attn_bwd(RefArgs a, const float* lse, const float* delta, float* dq, float* dk, float* dv) {
+    const int64_t w = (int64_t)blockIdx.x * 4 + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (w >= (int64_t)a.positions * a.heads) return;
+    const int x = (int)(w / a.heads), h = (int)(w % a.heads);
+    auto row = [&](const float* base, int pos) { return base + ((int64_t)pos * a.heads + h) * 128; };
+    auto out_row = [&](float* base, int pos) { return base + ((int64_t)pos * a.heads + h) * 128; };
+    auto dot = [&](const float* u, const float* v) {
+        float s = 0.f;
+        for (int d = lane; d < 128; d += 32) s += u[d] * v[d];
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        return s;
+    };
+    float g[4] = {0, 0, 0, 0};
+    {  // dQ of query x
+        const int i = x;
+        for (int j = max(a.seq_lo[i], i - a.window); j <= i; ++j) {
+            float p = expf(a.scale * dot(row(a.q, i), row(a.k, j)) - lse[(int64_t)h * a.positions + i]);
+            float ds = p * (dot(row(a.dout, i), row(a.v, j)) - delta[(int64_t)h * a.positions + i]);
+            for (int t = 0; t < 4; ++t) g[t] += ds * row(a.k, j)[lane + 32 * t];
+        }
+        for (int t = 0; t < 4; ++t) out_row(dq, i)[lane + 32 * t] = g[t] * a.scale;
+    }
+    float gk[4] = {0, 0, 0, 0}, gv[4] = {0, 0, 0, 0};
+    const int j = x;
+    const int hi = (int)min((int64_t)a.seq_hi[j] - 1, (int64_t)j + a.window);
+    for (int i = j; i <= hi; ++i) {
+        float p = expf(a.scale * dot(row(a.q, i), row(a.k, j)) - lse[(int64_t)h * a.positions + i]);
+        float ds = p * (dot(row(a.dout, i), row(a.v, j)) - delta[(int64_t)h * a.positions + i]);
+        for (int t = 0; t < 4; ++t) {
+            gk[t] += ds * row(a.q, i)[lane + 32 * t];
+            gv[t] += p * row(a.dout, i)[lane + 32 * t];
+        }
+    }
+    for (int t = 0; t < 4; ++t) {
+        out_row(dk, j)[lane + 32 * t] = gk[t] * a.scale;
+        out_row(dv, j)[lane + 32 * t] = gv[t];
+    }
+}
+
+static float bf16_to_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static uint16_t float_to_bf16(float f) {  // round to nearest even
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+// relative Frobenius error of x against ref (doubles); inf if x holds a non-finite value
+static double rel_err(const std::vector<float>& x, const std::vector<float>& ref) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+        if (!std::isfinite(x[i])) return INFINITY;
+        num += ((double)x[i] - ref[i]) * ((double)x[i] - ref[i]);
+        den += (double)ref[i] * ref[i];
+    }
+    return std::sqrt(num / std::max(den, 1e-30));
+}
+
+template <typename T>
+struct DeviceArray {
+    T* ptr = nullptr;
+    size_t n = 0;
+    explicit DeviceArray(size_t count) : n(count) { CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(n, 1) * sizeof(T))); }
+    DeviceArray(const std::vector<T>& h) : DeviceArray(h.size()) { upload(h); }
+    ~DeviceArray() { cudaFree(ptr); }
+    void upload(const std::vector<T>& h) { CUDA_CHECK(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice)); }
+    std::vector<T> download() const {
+        std::vector<T> h(n);
+        CUDA_CHECK(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+        return h;
+    }
+    void poison() { CUDA_CHECK(cudaMemset(ptr, 0xff, n * sizeof(T))); }  // NaN in bf16 and fp32
+};
+
+// gathers a (positions, heads, 128) view with a position stride into a contiguous float array
+static std::vector<float> gather(const std::vector<uint16_t>& buf, int64_t offset, int64_t stride, int positions, int heads) {
+    std::vector<float> out((size_t)positions * heads * 128);
+    for (int i = 0; i < positions; ++i)
+        for (int h = 0; h < heads; ++h)
+            for (int d = 0; d < 128; ++d)
+                out[((size_t)i * heads + h) * 128 + d] = bf16_to_float(buf[offset + (int64_t)i * stride + h * 128 + d]);
+    return out;
+}
+
+// One attention case: `lens` are the sequence lengths in tokens (0 allowed), padded with repeated
+// final entries to `cu_len` entries. paired: 3 heads over 2T positions (cu_seqlens doubled),
+// else 6 heads over T with q, k, v views of one QKV buffer.
+static void attention_case(const char* name, std::vector<int> lens, int cu_len, bool paired, int window, float scale,
+                           uint64_t seed) {
+    std::vector<int> cu = {0};
+    for (int L : lens) cu.push_back(cu.back() + L);
+    while ((int)cu.size() < cu_len) cu.push_back(cu.back());
+    const int T = cu.back();
+    const int mult = paired ? 2 : 1, heads = paired ? 3 : 6, P = T * mult;
+    // QKV buffer (T, 3 * 6, 128): q, k, v are views with position stride 3 * 768 (or, paired,
+    // separate contiguous (2T, 3, 128) buffers carved from it)
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    std::vector<uint16_t> qkv((size_t)T * 18 * 128);
+    for (auto& x : qkv) x = float_to_bf16(nd(rng));
+    std::vector<uint16_t> dout_h((size_t)P * heads * 128);
+    for (auto& x : dout_h) x = float_to_bf16(nd(rng) * 0.1f);
+    int64_t off_q, off_k, off_v, stride;
+    if (paired) off_q = 0, off_k = (int64_t)T * 768, off_v = 2 * (int64_t)T * 768, stride = 384;
+    else off_q = 0, off_k = 768, off_v = 1536, stride = 2304;
+
+    // reference
+    std::vector<int> lo(P), hi(P);
+    for (size_t s = 0; s + 1 < cu.size(); ++s)
+        for (int i = cu[s] * mult; i < cu[s + 1] * mult; ++i) lo[i] = cu[s] * mult, hi[i] = cu[s + 1] * mult;
+    DeviceArray<float> rq(gather(qkv, off_q, stride, P, heads)), rk(gather(qkv, off_k, stride, P, heads)),
+        rv(gather(qkv, off_v, stride, P, heads)), rdo(gather(dout_h, 0, heads * 128, P, heads));
+    DeviceArray<int> dlo(lo), dhi(hi);
+    RefArgs ra{rq.ptr, rk.ptr, rv.ptr, rdo.ptr, dlo.ptr, dhi.ptr, P, heads, window, scale};
+    const size_t n = (size_t)P * heads * 128;
+    DeviceArray<float> ro(n), rlse((size_t)P * heads), rdelta((size_t)P * heads), rdq(n), rdk(n), rdv(n);
+    const unsigned ref_blocks = (unsigned)(((int64_t)P * heads + 3) / 4);
+    ref_attn_fwd<<<ref_blocks, 128>>>(ra, ro.ptr, rlse.ptr);
+    CUDA_CHECK(cudaGetLastError());
+    {
+        std::vector<float> o = ro.download(), d = rdo.download(), delta((size_t)P * heads);
+        for (int i = 0; i < P; ++i)
+            for (int h = 0; h < heads; ++h) {
+                double s = 0;
+                for (int k = 0; k < 128; ++k) s += (double)o[((size_t)i * heads + h) * 128 + k] * d[((size_t)i * heads + h) * 128 + k];
+                delta[(size_t)h * P + i] = (float)s;
+            }
+        rdelta.upload(delta);
+    }
+    ref_attn_bwd<<<ref_blocks, 128>>>(ra, rlse.ptr, rdelta.ptr, rdq.ptr, rdk.ptr, rdv.ptr);
+    CUDA_CHECK(cudaGetLastError());
+
+    // ours
+    DeviceArray<uint16_t> dqkv(qkv), ddo(dout_h), o(n), dq(n), dk(n), dv(n);
+    DeviceArray<float> lse((size_t)P * heads), delta((size_t)P * heads);
+    DeviceArray<int> dcu(cu);
+    attn::Params p{};
+    auto bf = [](uint16_t* x) { return reinterpret_cast<__nv_bfloat16*>(x); };
+    p.q = bf(dqkv.ptr) + off_q, p.k = bf(dqkv.ptr) + off_k, p.v = bf(dqkv.ptr) + off_v;
+    p.q_stride = p.k_stride = p.v_stride = stride;
+    p.o = bf(o.ptr), p.o_stride = heads * 128;
+    p.lse = lse.ptr;
+    p.cu_seqlens = dcu.ptr, p.cu_len = (int)cu.size(), p.cu_mult = mult;
+    p.positions = P, p.heads = heads, p.window = window, p.scale = scale;
+    p.dout = bf(ddo.ptr), p.dout_stride = heads * 128;
+    p.dq = bf(dq.ptr), p.dk = bf(dk.ptr), p.dv = bf(dv.ptr);
+    p.dq_stride = p.dk_stride = p.dv_stride = heads * 128;
+    p.delta = delta.ptr;
+    std::vector<std::vector<uint16_t>> first;
+    std::vector<float> first_lse;
+    bool same = true;
+    for (int run = 0; run < 2; ++run) {
+        for (auto* a : {&o, &dq, &dk, &dv}) a->poison();
+        lse.poison();
+        CUDA_CHECK(attention_forward(p, 0));
+        CUDA_CHECK(attention_backward(p, 0));
+        CUDA_CHECK(cudaDeviceSynchronize());
+        std::vector<std::vector<uint16_t>> got = {o.download(), dq.download(), dk.download(), dv.download()};
+        std::vector<float> got_lse = lse.download();
+        if (run == 0) first = got, first_lse = got_lse;
+        else same = got == first && memcmp(got_lse.data(), first_lse.data(), got_lse.size() * 4) == 0;
+    }
+    auto widen = [](const std::vector<uint16_t>& x) {
+        std::vector<float> f(x.size());
+        for (size_t i = 0; i < x.size(); ++i) f[i] = bf16_to_float(x[i]);
+        return f;
+    };
+    double e_o = rel_err(widen(first[0]), ro.download()), e_lse = rel_err(first_lse, rlse.download()),
+           e_dq = rel_err(widen(first[1]), rdq.download()), e_dk = rel_err(widen(first[2]), rdk.download()),
+           e_dv = rel_err(widen(first[3]), rdv.download());
+    printf("  %-34s T=%6d %s w=%-6d  rel err: out %.1e lse %.1e dq %.1e dk %.1e dv %.1e%s\n", name, T,
+           paired ? "paired" : "6 head", window, e_o, e_lse, e_dq, e_dk, e_dv, same ? "" : "  NOT DETERMINISTIC");
+    CHECK(e_o < 1e-2 && e_lse < 1e-4 && e_dq < 1e-2 && e_dk < 1e-2 && e_dv < 1e-2,
+          "%s: attention differs from the fp32 reference (out %.2e lse %.2e dq %.2e dk %.2e dv %.2e)", name, e_o,
+          e_lse, e_dq, e_dk, e_dv);
+    CHECK(same, "%s: two runs on the same inputs differ", name);
+}
+
+static void test_attention() {
+    std::mt19937_64 rng(11);
+    auto lengths = [&](int total, double median, int cap) {
+        std::lognormal_distribution<double> ld(std::log(median), 0.9);
+        std::vector<int> v;
+        int sum = 0;
+        while (sum < total) {
+            int L = std::min(cap, std::max(1, (int)ld(rng)));
+            L = std::min(L, total - sum);
+            v.push_back(L);
+            sum += L;
+        }
+        return v;
+    };
+    for (bool paired : {false, true}) {
+        attention_case("many short documents", lengths(4000, 40, 300), 0, paired, 100000, 0.12f, 1);
+        attention_case("FineWeb-like documents", lengths(6000, 450, 2048), 64, paired, 384, 0.1f, 2);
+        attention_case("one long document", {5000}, 0, paired, 768, 0.12f, 3);
+        attention_case("window 1", {700, 333, 1}, 0, paired, 1, 0.12f, 4);
+        attention_case("window larger than the sequence", {1500, 900}, 0, paired, 5000, 0.0884f, 5);
+        attention_case("empty sequences, padded cu_seqlens", {0, 65, 0, 0, 127, 64, 1, 0, 200}, 40, paired, 63, 0.12f, 6);
+        attention_case("lengths off the tile", {63, 129, 191, 1, 2, 257}, 0, paired, 130, 0.12f, 7);
+    }
+}
+
 int main() {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
@@ -66,6 +308,7 @@ int main() {
     if (!mkdtemp(tmpl)) fatal("cannot make a temporary folder");
     try {
         test_upload(tmpl);
+        test_attention();
     } catch (const std::exception& ex) {
         ++g_failed;
         printf("FAIL: uncaught error: %s\n", ex.what());

@@ -1,0 +1,34 @@
+// The attention kernels of triton_kernels.cu behind a C ABI, so the benchmark can run them and
+// PyTorch's varlen_attn side by side on the same tensors (tests/bench_attention.py, via ctypes).
+#include "../triton_kernels.cu"
+
+static attn::Params make_params(const void* q, const void* k, const void* v, long long qkv_stride, void* o,
+                                long long o_stride, float* lse, const int* cu, int cu_len, int cu_mult, int positions,
+                                int heads, int window, float scale) {
+    attn::Params p{};
+    p.q = (const __nv_bfloat16*)q, p.k = (const __nv_bfloat16*)k, p.v = (const __nv_bfloat16*)v;
+    p.q_stride = p.k_stride = p.v_stride = qkv_stride;
+    p.o = (__nv_bfloat16*)o, p.o_stride = o_stride, p.lse = lse;
+    p.cu_seqlens = cu, p.cu_len = cu_len, p.cu_mult = cu_mult;
+    p.positions = positions, p.heads = heads, p.window = window, p.scale = scale;
+    return p;
+}
+
+extern "C" int attn_forward(const void* q, const void* k, const void* v, long long qkv_stride, void* o,
+                            long long o_stride, float* lse, const int* cu, int cu_len, int cu_mult, int positions,
+                            int heads, int window, float scale, void* stream) {
+    attn::Params p = make_params(q, k, v, qkv_stride, o, o_stride, lse, cu, cu_len, cu_mult, positions, heads, window, scale);
+    return (int)attention_forward(p, (cudaStream_t)stream);
+}
+
+extern "C" int attn_backward(const void* q, const void* k, const void* v, long long qkv_stride, void* o,
+                             long long o_stride, float* lse, const int* cu, int cu_len, int cu_mult, int positions,
+                             int heads, int window, float scale, const void* dout, void* dq, void* dk, void* dv,
+                             float* delta, void* stream) {
+    attn::Params p = make_params(q, k, v, qkv_stride, o, o_stride, lse, cu, cu_len, cu_mult, positions, heads, window, scale);
+    p.dout = (const __nv_bfloat16*)dout, p.dout_stride = o_stride;
+    p.dq = (__nv_bfloat16*)dq, p.dk = (__nv_bfloat16*)dk, p.dv = (__nv_bfloat16*)dv;
+    p.dq_stride = p.dk_stride = p.dv_stride = o_stride;
+    p.delta = delta;
+    return (int)attention_backward(p, (cudaStream_t)stream);
+}
