@@ -91,39 +91,51 @@ struct Params {
     __nv_bfloat16 *dq, *dk, *dv;
     int64_t dq_stride, dk_stride, dv_stride;
     float* delta;  // (heads, positions) workspace: rowsum(dout * out)
+    int4* tiles;   // workspace of attention_tiles_bytes(): the tile schedule the forward writes
 };
 
-// The CTA's tile: the t-th BLOCK-sized tile over all sequences, in order. One warp scans
-// cu_seqlens 32 sequences at a time. Returns false for CTAs past the last tile.
-__device__ __forceinline__ bool find_tile(const Params& p, int tile, int& s0, int& s1, int& start) {
-    const int lane = threadIdx.x & 31;
-    int base_tiles = 0;
-    for (int s = 0; s < p.cu_len - 1; s += 32) {
-        int idx = s + lane;
-        int n = 0, a = 0, b = 0;
-        if (idx < p.cu_len - 1) {
-            a = p.cu_seqlens[idx] * p.cu_mult;
-            b = p.cu_seqlens[idx + 1] * p.cu_mult;
-            n = b > a ? (b - a + BLOCK - 1) / BLOCK : 0;
+// Tile schedule: every 64-row tile of every sequence as {seq start, seq end, tile start}, in two
+// orders, heaviest first so the last wave is short: by query tile (forward, dQ: later tiles of a
+// sequence see more keys) and by key tile (dK/dV: earlier tiles are seen by more queries).
+// tiles[0].x holds the count; the lists follow at tiles + 1 and tiles + 1 + max_tiles.
+__host__ __device__ inline int max_tiles(int positions, int cu_len) { return positions / BLOCK + cu_len; }
+
+constexpr int SCHED_BUCKETS = 128;
+
+__global__ void __launch_bounds__(1024) attn_schedule_kernel(const Params p) {
+    __shared__ int hist_q[SCHED_BUCKETS], hist_k[SCHED_BUCKETS];
+    const int cap = min(SCHED_BUCKETS - 1, p.window / BLOCK + 2);  // tiles past this cost the same
+    const int nseq = p.cu_len - 1, mt = max_tiles(p.positions, p.cu_len);
+    for (int b = threadIdx.x; b < SCHED_BUCKETS; b += blockDim.x) hist_q[b] = hist_k[b] = 0;
+    __syncthreads();
+    for (int s = threadIdx.x; s < nseq; s += blockDim.x) {
+        int a = p.cu_seqlens[s] * p.cu_mult, e = p.cu_seqlens[s + 1] * p.cu_mult;
+        int n = e > a ? (e - a + BLOCK - 1) / BLOCK : 0;
+        for (int t = 0; t < n; ++t) {
+            atomicAdd(&hist_q[min(t, cap)], 1);
+            atomicAdd(&hist_k[min(n - 1 - t, cap)], 1);
         }
-        int incl = n;
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-            int t = __shfl_up_sync(0xffffffffu, incl, off);
-            if (lane >= off) incl += t;
-        }
-        unsigned hit = __ballot_sync(0xffffffffu, base_tiles + incl > tile && n > 0);
-        if (hit) {
-            int src = __ffs(hit) - 1;
-            int excl = __shfl_sync(0xffffffffu, incl - n, src);
-            s0 = __shfl_sync(0xffffffffu, a, src);
-            s1 = __shfl_sync(0xffffffffu, b, src);
-            start = s0 + (tile - base_tiles - excl) * BLOCK;
-            return true;
-        }
-        base_tiles += __shfl_sync(0xffffffffu, incl, 31);
     }
-    return false;
+    __syncthreads();
+    if (threadIdx.x == 0) {  // bucket offsets, heaviest bucket first
+        int oq = 0, ok = 0;
+        for (int b = cap; b >= 0; --b) {
+            int tq = hist_q[b], tk = hist_k[b];
+            hist_q[b] = oq, hist_k[b] = ok;
+            oq += tq, ok += tk;
+        }
+        p.tiles[0] = make_int4(oq, 0, 0, 0);
+    }
+    __syncthreads();
+    for (int s = threadIdx.x; s < nseq; s += blockDim.x) {
+        int a = p.cu_seqlens[s] * p.cu_mult, e = p.cu_seqlens[s + 1] * p.cu_mult;
+        int n = e > a ? (e - a + BLOCK - 1) / BLOCK : 0;
+        for (int t = 0; t < n; ++t) {  // order within a bucket does not matter: tiles are independent
+            int iq = atomicAdd(&hist_q[min(t, cap)], 1), ik = atomicAdd(&hist_k[min(n - 1 - t, cap)], 1);
+            p.tiles[1 + iq] = make_int4(a, e, a + t * BLOCK, 0);
+            p.tiles[1 + mt + ik] = make_int4(a, e, a + t * BLOCK, 0);
+        }
+    }
 }
 
 // Swizzled 64 x 128 bf16 tile in shared memory: row r, 16-byte chunk c lives at chunk c ^ (r & 7),
@@ -245,10 +257,7 @@ __device__ __forceinline__ bool visible(int i, int j, int s1, int window) {
 }
 
 // ---- forward: one CTA per (64-query tile, head) ----
-__global__ void __launch_bounds__(THREADS) attn_fwd_kernel(const Params p) {
-    extern __shared__ __align__(128) unsigned char smem[];
-    int s0, s1, q0;
-    if (!find_tile(p, blockIdx.x, s0, s1, q0)) return;
+__device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* smem, int s0, int s1, int q0) {
     const int h = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const uint32_t sQ = tk::smem_u32(smem), sK = sQ + TILE_BYTES, sV = sQ + 3 * TILE_BYTES;
@@ -387,10 +396,7 @@ __device__ __forceinline__ void load_row_stats(float* dst, const float* src, int
 }
 
 // ---- backward dK, dV: one CTA per (64-key tile, head), over the query tiles that see it ----
-__global__ void __launch_bounds__(THREADS) attn_bwd_dkdv_kernel(const Params p) {
-    extern __shared__ __align__(128) unsigned char smem[];
-    int s0, s1, k0;
-    if (!find_tile(p, blockIdx.x, s0, s1, k0)) return;
+__device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned char* smem, int s1, int k0) {
     const int h = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const uint32_t sK = tk::smem_u32(smem), sV = sK + TILE_BYTES, sQ = sK + 2 * TILE_BYTES,
@@ -470,10 +476,7 @@ __global__ void __launch_bounds__(THREADS) attn_bwd_dkdv_kernel(const Params p) 
 }
 
 // ---- backward dQ: one CTA per (64-query tile, head), over the key tiles it sees ----
-__global__ void __launch_bounds__(THREADS) attn_bwd_dq_kernel(const Params p) {
-    extern __shared__ __align__(128) unsigned char smem[];
-    int s0, s1, q0;
-    if (!find_tile(p, blockIdx.x, s0, s1, q0)) return;
+__device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, unsigned char* smem, int s0, int s1, int q0) {
     const int h = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const uint32_t sQ = tk::smem_u32(smem), sO = sQ + TILE_BYTES, sKV = sQ + 2 * TILE_BYTES;  // (K, V)[2]
@@ -539,16 +542,40 @@ __global__ void __launch_bounds__(THREADS) attn_bwd_dq_kernel(const Params p) {
     store_rows(p.dq + h * D, p.dq_stride, q0 + warp * 16, s1, dq, p.scale, p.scale);
 }
 
-constexpr int FWD_SMEM = 5 * TILE_BYTES;                      // Q, K[2], V[2]
-constexpr int DKDV_SMEM = 6 * TILE_BYTES + 4 * BLOCK * 4;      // K, V, Q[2], dO[2], lse[2], delta[2]
-constexpr int DQ_SMEM = 6 * TILE_BYTES;                       // Q, dO, (K, V)[2]
+constexpr int FWD_SMEM = 5 * TILE_BYTES;                  // Q, K[2], V[2]
+constexpr int BWD_SMEM = 6 * TILE_BYTES + 4 * BLOCK * 4;  // dK/dV: K, V, Q[2], dO[2], lse[2], delta[2]
+                                                          // dQ: Q, dO, (K, V)[2]
 
-// CTAs: an upper bound on the 64-row tiles over all sequences (positions/64 + sequences)
-inline dim3 grid_of(const Params& p) { return dim3((unsigned)(p.positions / BLOCK + p.cu_len), (unsigned)p.heads); }
+__global__ void __launch_bounds__(THREADS) attn_fwd_kernel(const Params p) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int total = p.tiles[0].x;
+    if ((int)blockIdx.x >= total) return;
+    const int4 t = p.tiles[1 + blockIdx.x];
+    attn_fwd_tile(p, smem, t.x, t.y, t.z);
+}
+
+// dK/dV tiles first (heavier), then dQ tiles: one launch, so the two overlap and share the tail
+__global__ void __launch_bounds__(THREADS) attn_bwd_kernel(const Params p) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int total = p.tiles[0].x;
+    const int b = blockIdx.x;
+    if (b < total) {
+        const int4 t = p.tiles[1 + max_tiles(p.positions, p.cu_len) + b];
+        attn_bwd_dkdv_tile(p, smem, t.y, t.z);
+    } else if (b < 2 * total) {
+        const int4 t = p.tiles[1 + b - total];
+        attn_bwd_dq_tile(p, smem, t.x, t.y, t.z);
+    }
+}
 
 }  // namespace attn
 
-// Forward: out and lse from q, k, v. Returns the launch error, if any.
+// Workspace bytes for p.tiles
+inline size_t attention_tiles_bytes(int positions, int cu_len) {
+    return (1 + 2 * (size_t)attn::max_tiles(positions, cu_len)) * sizeof(int4);
+}
+
+// Forward: out and lse from q, k, v; writes the tile schedule to p.tiles. Returns the launch error.
 inline cudaError_t attention_forward(const attn::Params& p, cudaStream_t stream) {
     static bool configured = false;
     if (!configured) {
@@ -556,23 +583,22 @@ inline cudaError_t attention_forward(const attn::Params& p, cudaStream_t stream)
         if (e != cudaSuccess) return e;
         configured = true;
     }
-    attn::attn_fwd_kernel<<<attn::grid_of(p), attn::THREADS, attn::FWD_SMEM, stream>>>(p);
+    attn::attn_schedule_kernel<<<1, 1024, 0, stream>>>(p);
+    attn::attn_fwd_kernel<<<dim3(attn::max_tiles(p.positions, p.cu_len), p.heads), attn::THREADS, attn::FWD_SMEM, stream>>>(p);
     return cudaGetLastError();
 }
 
-// Backward: dq, dk, dv from dout, out, lse (p.delta: a heads x positions fp32 workspace).
+// Backward: dq, dk, dv from dout, out, lse and the schedule in p.tiles, all as the forward with
+// the same cu_seqlens and window left them (p.delta: a heads x positions fp32 workspace).
 inline cudaError_t attention_backward(const attn::Params& p, cudaStream_t stream) {
     static bool configured = false;
     if (!configured) {
-        cudaError_t e = cudaFuncSetAttribute(attn::attn_bwd_dkdv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, attn::DKDV_SMEM);
-        if (e == cudaSuccess)
-            e = cudaFuncSetAttribute(attn::attn_bwd_dq_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, attn::DQ_SMEM);
+        cudaError_t e = cudaFuncSetAttribute(attn::attn_bwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, attn::BWD_SMEM);
         if (e != cudaSuccess) return e;
         configured = true;
     }
     const int64_t warps = (int64_t)p.positions * p.heads;
     attn::attn_bwd_delta_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, stream>>>(p);
-    attn::attn_bwd_dkdv_kernel<<<attn::grid_of(p), attn::THREADS, attn::DKDV_SMEM, stream>>>(p);
-    attn::attn_bwd_dq_kernel<<<attn::grid_of(p), attn::THREADS, attn::DQ_SMEM, stream>>>(p);
+    attn::attn_bwd_kernel<<<dim3(2 * attn::max_tiles(p.positions, p.cu_len), p.heads), attn::THREADS, attn::BWD_SMEM, stream>>>(p);
     return cudaGetLastError();
 }

@@ -19,7 +19,9 @@ P = ctypes.c_void_p
 for fn, extra in ((LIB.attn_forward, []), (LIB.attn_backward, [P, P, P, P, P])):
     fn.restype = ctypes.c_int
     fn.argtypes = [P, P, P, ctypes.c_longlong, P, ctypes.c_longlong, P, P, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_float] + extra + [P]
+                   ctypes.c_int, ctypes.c_int, ctypes.c_float] + extra + [P, P]
+LIB.attn_tiles_bytes.restype = ctypes.c_longlong
+LIB.attn_tiles_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
 
 
 def doc_lengths(total, rng):
@@ -78,15 +80,16 @@ def main():
                 lse = torch.empty(H, Pn, device=dev, dtype=torch.float32)
                 dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
                 delta = torch.empty(H, Pn, device=dev, dtype=torch.float32)
+                tiles = torch.empty(LIB.attn_tiles_bytes(Pn, cu.numel()), device=dev, dtype=torch.uint8)
                 args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), H * 128, o.data_ptr(), H * 128, lse.data_ptr(),
                         cu.data_ptr(), cu.numel(), mult, Pn, H, window, scale)
 
                 def ours_fwd():
-                    assert LIB.attn_forward(*args, stream) == 0
+                    assert LIB.attn_forward(*args, tiles.data_ptr(), stream) == 0
 
                 def ours_bwd():
                     assert LIB.attn_backward(*args, dout.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-                                             delta.data_ptr(), stream) == 0
+                                             delta.data_ptr(), tiles.data_ptr(), stream) == 0
 
                 qt, kt, vt = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
 

@@ -225,7 +225,9 @@ static void attention_case(const char* name, std::vector<int> lens, int cu_len, 
     DeviceArray<uint16_t> dqkv(qkv), ddo(dout_h), o(n), dq(n), dk(n), dv(n);
     DeviceArray<float> lse((size_t)P * heads), delta((size_t)P * heads);
     DeviceArray<int> dcu(cu);
+    DeviceArray<unsigned char> tiles(attention_tiles_bytes(P, (int)cu.size()));
     attn::Params p{};
+    p.tiles = reinterpret_cast<int4*>(tiles.ptr);
     auto bf = [](uint16_t* x) { return reinterpret_cast<__nv_bfloat16*>(x); };
     p.q = bf(dqkv.ptr) + off_q, p.k = bf(dqkv.ptr) + off_k, p.v = bf(dqkv.ptr) + off_v;
     p.q_stride = p.k_stride = p.v_stride = stride;
