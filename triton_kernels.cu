@@ -11,8 +11,9 @@
 #include <cstdint>
 
 // -----------------------------------------------------------------------------
-// Warp-level building blocks: bf16 tensor-core MMA (m16n8k16, fp32 accumulate), ldmatrix,
-// cp.async. Fragment layouts are the PTX ISA's for mma.m16n8k16 with .bf16 inputs.
+// Building blocks: wgmma (Hopper warpgroup MMA, bf16 in, fp32 accumulate) and cp.async. Register
+// fragments follow the PTX ISA's wgmma m64nNk16 layouts: warp w of the group holds rows 16w..16w+15;
+// accumulator element [n8 tile i][e] sits at row lane/4 (+8 for e >= 2), column 8i + 2(lane%4) + e%2.
 
 namespace tk {
 
@@ -20,25 +21,39 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
     return (uint32_t)__cvta_generic_to_shared(p);
 }
 
-__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+// Hopper warpgroup MMA (wgmma): 4 warps compute a 64-row tile together, operands read by the
+// tensor cores straight from shared memory. Tiles use the 128-byte swizzle (16-byte chunk c of
+// row r of a 128-byte row at c ^ (r % 8), 8-row atoms of 1024 bytes, 1024-aligned).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
+           ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// keeps the compiler from moving accumulator uses across the asynchronous MMA
+template <int N>
+__device__ __forceinline__ void fence_regs(float* d) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// d (64 x 64) += A (64 x 16, smem, K-major) . B (16 x 64, smem, K-major)
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, uint64_t da, uint64_t db) {
     asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db));
 }
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
+// d (64 x 128) += A (64 x 16, registers) . B (16 x 128, smem, N-major)
+__device__ __forceinline__ void wgmma_m64n128k16_rs_nmajor(float* d, const uint32_t a[4], uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // 16-byte async copy global -> shared; src_bytes 0 fills the 16 bytes with zeros
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
@@ -61,7 +76,7 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 // bf16 q, k, v of (positions, heads, 128) with any position stride (so q, k, v can be views of
 // one QKV buffer), sequences given by cu_seqlens (int32, padded with repeated final values, each
 // entry times cu_mult: 2 for the paired-head layout, whose 2T positions interleave head pairs).
-// Online-softmax tiles (FlashAttention-2 schedule) on mma.sync; the backward is deterministic:
+// Online-softmax tiles (FlashAttention-2 schedule) on Hopper wgmma; the backward is deterministic:
 // dK/dV by key tile and dQ by query tile in two kernels, no atomics.
 
 namespace attn {
@@ -138,13 +153,14 @@ __global__ void __launch_bounds__(1024) attn_schedule_kernel(const Params p) {
     }
 }
 
-// Swizzled 64 x 128 bf16 tile in shared memory: row r, 16-byte chunk c lives at chunk c ^ (r & 7),
-// so the 8 rows an ldmatrix phase reads fall in distinct banks.
+// A 64 x 128 bf16 tile in shared memory: two 64 x 64 halves (columns 0-63, 64-127) of 8 KB,
+// each in the 128-byte swizzle layout that wgmma reads (K-major when rows are M or N, N-major when
+// rows are K). Tiles start 1024-aligned.
 __device__ __forceinline__ uint32_t tile_addr(uint32_t base, int row, int col) {
-    return base + row * (D * 2) + ((((col >> 3) ^ row) & 7) | ((col >> 3) & 8)) * 16 + (col & 7) * 2;
+    return base + (col >> 6) * (BLOCK * 128) + row * 128 + ((((col >> 3) & 7) ^ (row & 7)) << 4) + (col & 7) * 2;
 }
 
-// Async copy of rows [row0, row0 + 64) of one head into a swizzled tile; rows >= row_end are zeros.
+// Async copy of rows [row0, row0 + 64) of one head into a tile; rows >= row_end are zeros.
 __device__ __forceinline__ void load_tile(uint32_t smem, const __nv_bfloat16* base, int64_t stride, int row0,
                                           int row_end) {
     const int tid = threadIdx.x;
@@ -159,62 +175,32 @@ __device__ __forceinline__ void load_tile(uint32_t smem, const __nv_bfloat16* ba
     }
 }
 
-// A fragment (16 x 16 at rows r0.., cols c0..) of a swizzled tile
-__device__ __forceinline__ void load_a(uint32_t a[4], uint32_t smem, int r0, int c0) {
-    const int lane = threadIdx.x & 31;
-    tk::ldmatrix_x4(a, tile_addr(smem, r0 + (lane & 7) + ((lane >> 3) & 1) * 8, c0 + (lane >> 4) * 8));
-}
-// B fragments of two n8 tiles (rows n0.., n0+8..) x k16 (cols k0..) of a tile stored [n][k]
-__device__ __forceinline__ void load_b(uint32_t b[4], uint32_t smem, int n0, int k0) {
-    const int lane = threadIdx.x & 31;
-    tk::ldmatrix_x4(b, tile_addr(smem, n0 + (lane & 7) + (lane >> 4) * 8, k0 + ((lane >> 3) & 1) * 8));
-}
-// B fragments of k16 (rows k0..) x two n8 tiles (cols n0.., n0+8..) of a tile stored [k][n]
-__device__ __forceinline__ void load_b_trans(uint32_t b[4], uint32_t smem, int k0, int n0) {
-    const int lane = threadIdx.x & 31;
-    tk::ldmatrix_x4_trans(b, tile_addr(smem, k0 + (lane & 7) + ((lane >> 3) & 1) * 8, n0 + (lane >> 4) * 8));
-}
-
-// acc[8][4] (16 x 64) += A (16 x 128, rows r0 of tile a) . B^T (B: 64 x 128 tile b stored [n][k])
-__device__ __forceinline__ void gemm_abt(float acc[8][4], uint32_t a_tile, int r0, uint32_t b_tile) {
+// acc (64 x 64: this thread's [8][4] fragments) = A (64 x 128 tile) . B^T (B: 64 x 128 tile), both
+// tiles row-major in the head dim (K-major); acc must hold zeros on entry
+__device__ __forceinline__ void gemm_abt(float acc[8][4], uint32_t a_tile, uint32_t b_tile) {
+    float* d = &acc[0][0];
+    tk::fence_regs<32>(d);
+    tk::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[4];
-        load_a(a, a_tile, r0, kk * 16);
-#pragma unroll
-        for (int np = 0; np < 4; ++np) {
-            uint32_t b[4];
-            load_b(b, b_tile, np * 16, kk * 16);
-            tk::mma_bf16(acc[2 * np], a, b[0], b[1]);
-            tk::mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
-        }
+        const uint32_t off = (kk >> 2) * (BLOCK * 128) + (kk & 3) * 32;
+        tk::wgmma_m64n64k16_ss(d, tk::smem_desc(a_tile + off, 16, 1024), tk::smem_desc(b_tile + off, 16, 1024));
     }
+    tk::wgmma_commit();
+    tk::wgmma_wait_all();
+    tk::fence_regs<32>(d);
 }
-// same, with the A fragments already in registers
-__device__ __forceinline__ void gemm_abt_reg(float acc[8][4], const uint32_t af[D / 16][4], uint32_t b_tile) {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-        for (int np = 0; np < 4; ++np) {
-            uint32_t b[4];
-            load_b(b, b_tile, np * 16, kk * 16);
-            tk::mma_bf16(acc[2 * np], af[kk], b[0], b[1]);
-            tk::mma_bf16(acc[2 * np + 1], af[kk], b[2], b[3]);
-        }
-    }
-}
-// acc[16][4] (16 x 128) += P (16 x 64, bf16 A fragments) . B (64 x 128 tile stored [k][n])
+// acc (64 x 128: [16][4] fragments) += P (64 x 64, bf16 A fragments) . B (64 x 128 tile, rows = K)
 __device__ __forceinline__ void gemm_pb(float acc[16][4], const uint32_t pf[4][4], uint32_t b_tile) {
+    float* d = &acc[0][0];
+    tk::fence_regs<64>(d);
+    tk::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-        for (int dp = 0; dp < 8; ++dp) {
-            uint32_t b[4];
-            load_b_trans(b, b_tile, kk * 16, dp * 16);
-            tk::mma_bf16(acc[2 * dp], pf[kk], b[0], b[1]);
-            tk::mma_bf16(acc[2 * dp + 1], pf[kk], b[2], b[3]);
-        }
-    }
+    for (int ks = 0; ks < 4; ++ks)
+        tk::wgmma_m64n128k16_rs_nmajor(d, pf[ks], tk::smem_desc(b_tile + ks * 2048, BLOCK * 128, 1024));
+    tk::wgmma_commit();
+    tk::wgmma_wait_all();
+    tk::fence_regs<64>(d);
 }
 
 // Stores a warp's 16 x 128 fp32 accumulator rows as bf16 (times mul); rows >= row_end are skipped.
@@ -279,7 +265,6 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* sm
     const float sl2 = p.scale * LOG2E;
     float o[16][4] = {};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    uint32_t qf[D / 16][4];
     const int row_lo = q0 + warp * 16 + (lane >> 2);  // this thread's rows: row_lo, row_lo + 8
 
     for (int nb = 0; nb < nblocks; ++nb) {
@@ -288,17 +273,14 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* sm
         const uint32_t kt = sK + buf * TILE_BYTES, vt = sV + buf * TILE_BYTES;
         const bool has_next = nb + 1 < nblocks;
         tk::cp_async_wait<1>();
+        tk::fence_proxy_async();  // make the copied tiles visible to the tensor cores
         __syncthreads();
-        if (nb == 0) {
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) load_a(qf[kk], sQ, warp * 16, kk * 16);
-        }
         if (has_next) {
             load_tile(sK + (buf ^ 1) * TILE_BYTES, kh, p.k_stride, k0 + BLOCK, s1);
             tk::cp_async_commit();
         }
         float s[8][4] = {};
-        gemm_abt_reg(s, qf, kt);
+        gemm_abt(s, sQ, kt);
 
         const bool need_mask = k0 + BLOCK - 1 > q0 || k0 < q0 + BLOCK - 1 - p.window || k0 + BLOCK > s1;
         float mx[2] = {-INFINITY, -INFINITY};
@@ -345,6 +327,7 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* sm
 
         if (has_next) tk::cp_async_wait<1>();
         else tk::cp_async_wait<0>();
+        tk::fence_proxy_async();
         __syncthreads();
         if (has_next) {
             load_tile(sV + (buf ^ 1) * TILE_BYTES, vh, p.v_stride, k0 + BLOCK, s1);
@@ -431,6 +414,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
         const float* L = sL + buf * BLOCK;
         const float* Dl = sDl + buf * BLOCK;
         tk::cp_async_wait<0>();
+        tk::fence_proxy_async();
         __syncthreads();
         if (nb + 1 < nblocks) {  // prefetch the next query tile while this one is used
             load_tile(sQ + (buf ^ 1) * TILE_BYTES, qh, p.q_stride, qb + BLOCK, s1);
@@ -441,7 +425,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
         }
         // P^T = exp(S^T - lse), S^T = K Q^T (16 keys x 64 queries per warp)
         float s[8][4] = {};
-        gemm_abt(s, sK, warp * 16, qt);
+        gemm_abt(s, sK, qt);
         const bool need_mask = qb < k0 + BLOCK - 1 || qb + BLOCK - 1 - k0 > p.window || qb + BLOCK > s1;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
@@ -457,7 +441,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
         gemm_pb(dv, pf, ot);  // dV += P^T dO
         // dP^T = V dO^T, dS^T = P^T (dP^T - delta)
         float dp[8][4] = {};
-        gemm_abt(dp, sV, warp * 16, ot);
+        gemm_abt(dp, sV, ot);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -509,6 +493,7 @@ __device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, unsigned char*
         const int buf = nb & 1;
         const uint32_t kt = sKV + buf * 2 * TILE_BYTES, vt = kt + TILE_BYTES;
         tk::cp_async_wait<0>();
+        tk::fence_proxy_async();
         __syncthreads();
         if (nb + 1 < nblocks) {
             const uint32_t next = sKV + (buf ^ 1) * 2 * TILE_BYTES;
@@ -517,7 +502,7 @@ __device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, unsigned char*
             tk::cp_async_commit();
         }
         float s[8][4] = {};
-        gemm_abt(s, sQ, warp * 16, kt);
+        gemm_abt(s, sQ, kt);
         const bool need_mask = k0 + BLOCK - 1 > q0 || k0 < q0 + BLOCK - 1 - p.window || k0 + BLOCK > s1;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
@@ -529,7 +514,7 @@ __device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, unsigned char*
                 s[nt][e] = pv;
             }
         float dp[8][4] = {};
-        gemm_abt(dp, sO, warp * 16, vt);  // dP = dO V^T
+        gemm_abt(dp, sO, vt);  // dP = dO V^T
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -542,12 +527,13 @@ __device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, unsigned char*
     store_rows(p.dq + h * D, p.dq_stride, q0 + warp * 16, s1, dq, p.scale, p.scale);
 }
 
-constexpr int FWD_SMEM = 5 * TILE_BYTES;                  // Q, K[2], V[2]
-constexpr int BWD_SMEM = 6 * TILE_BYTES + 4 * BLOCK * 4;  // dK/dV: K, V, Q[2], dO[2], lse[2], delta[2]
+constexpr int FWD_SMEM = 5 * TILE_BYTES + 1024;                  // Q, K[2], V[2] (+ alignment)
+constexpr int BWD_SMEM = 6 * TILE_BYTES + 4 * BLOCK * 4 + 1024;  // dK/dV: K, V, Q[2], dO[2], lse[2], delta[2]
                                                           // dQ: Q, dO, (K, V)[2]
 
 __global__ void __launch_bounds__(THREADS) attn_fwd_kernel(const Params p) {
-    extern __shared__ __align__(128) unsigned char smem[];
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024 - (tk::smem_u32(smem_raw) & 1023)) & 1023);
     const int total = p.tiles[0].x;
     if ((int)blockIdx.x >= total) return;
     const int4 t = p.tiles[1 + blockIdx.x];
@@ -556,7 +542,8 @@ __global__ void __launch_bounds__(THREADS) attn_fwd_kernel(const Params p) {
 
 // dK/dV tiles first (heavier), then dQ tiles: one launch, so the two overlap and share the tail
 __global__ void __launch_bounds__(THREADS) attn_bwd_kernel(const Params p) {
-    extern __shared__ __align__(128) unsigned char smem[];
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024 - (tk::smem_u32(smem_raw) & 1023)) & 1023);
     const int total = p.tiles[0].x;
     const int b = blockIdx.x;
     if (b < total) {
