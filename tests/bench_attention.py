@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Attention benchmark: our kernels (tests/libattention.so) and PyTorch's varlen_attn, side by side
-on the same inputs, at the record's shapes: micro-batches of 16,384 / 32,768 / 49,152 tokens of
+on the same inputs, at the record's shapes: micro-batches of 16,384 / 32,768 / 49,152 tokens (and a
+262,144-token validation batch) of
 FineWeb-like documents (log-normal lengths, median ~450, cut at 2048, as the loader cuts them),
 windows of 384 / 768 / 1408 / 2560 tokens, the 6-head layout and the paired-head layout (3 heads
 over 2T positions). TFLOP/s count only the visible (unmasked) query-key pairs: 4*128 flops per
@@ -63,7 +64,8 @@ def main():
     stream = torch.cuda.current_stream().cuda_stream
     print(f"{'tokens':>6} {'layout':>7} {'window':>6} | {'fwd ms':>7} {'torch':>7} {'TF/s':>5} {'torch':>5} | "
           f"{'bwd ms':>7} {'torch':>7} {'TF/s':>5} {'torch':>5} | {'out err':>8} {'dq err':>8}")
-    for T in (16384, 32768, 49152):
+    # training micro-batches, then one validation micro-batch (forward only in training, but timed both ways)
+    for T in (16384, 32768, 49152, 262144):
         lens = doc_lengths(T, rng)
         for paired in (False, True):
             mult, H = (2, 3) if paired else (1, 6)
@@ -72,7 +74,7 @@ def main():
             cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=dev)
             cu_pos = cu * mult
             max_len = max(pos_lens)
-            for window in (384, 768, 1408, 2560):
+            for window in ((384, 768, 1408, 2560) if T < 262144 else (768, 2560)):
                 scale = 0.12
                 q, k, v = (torch.randn(Pn, H, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
                 dout = torch.randn(Pn, H, 128, device=dev, dtype=torch.bfloat16) * 0.1
