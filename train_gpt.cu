@@ -29,6 +29,8 @@
 #include <fcntl.h>
 #include <functional>
 #include <glob.h>
+#include <map>
+#include <tuple>
 #include <memory>
 #include <spawn.h>
 #include <stdexcept>
@@ -426,6 +428,144 @@ static void validate_args(const Hyperparameters& a, int world_size) {
         if (!(isalnum((unsigned char)c) || c == '-' || c == '_' || c == '.'))
             fail(strprintf("--run_id '%s' may hold only letters, digits, '-', '_' and '.'", a.run_id.c_str()));
 }
+
+// -----------------------------------------------------------------------------
+// GEMMs and fp8 ops, through cuBLASLt. Matrices are row-major, as in the Python record; each
+// shape's algorithm is picked once by cuBLASLt's heuristic and cached (no tuning at run time).
+
+enum class Op { N, T };  // op(X) = X or X^T
+
+class Gemms {
+   public:
+    explicit Gemms(size_t workspace_bytes = 64ull << 20) : workspace_bytes_(workspace_bytes) {
+        CUBLAS_CHECK(cublasLtCreate(&lt_));
+        CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
+    }
+    ~Gemms() {
+        for (auto& [key, plan] : plans_) release(plan);
+        CUDA_CHECK(cudaFree(workspace_));
+        CUBLAS_CHECK(cublasLtDestroy(lt_));
+    }
+    Gemms(const Gemms&) = delete;
+    Gemms& operator=(const Gemms&) = delete;
+
+    // C[m x n] = alpha op(A)[m x k] op(B)[k x n] + beta C; A, B bf16; C bf16 or fp32 (c_f32).
+    void bf16(cudaStream_t stream, Op opa, Op opb, int m, int n, int k, const __nv_bfloat16* A, int64_t lda,
+              const __nv_bfloat16* B, int64_t ldb, void* C, int64_t ldc, bool c_f32, float alpha = 1.f,
+              float beta = 0.f) {
+        Key key{CUDA_R_16BF, CUDA_R_16BF, c_f32 ? CUDA_R_32F : CUDA_R_16BF, opa, opb, m, n, k, lda, ldb, ldc, false,
+                align(A), align(B), align(C)};
+        run(stream, key, A, B, C, alpha, beta, nullptr, nullptr);
+    }
+
+    // C[m x n] = scale_a scale_b A[m x k] B[n x k]^T with fp8 A and B (each K-contiguous, as Hopper's
+    // fp8 tensor cores want them), CUDA_R_8F_E4M3 or CUDA_R_8F_E5M2; scales are device pointers;
+    // C bf16 or fp32. fast_accum: the tensor cores' faster, less precise accumulation.
+    void fp8(cudaStream_t stream, int m, int n, int k, const void* A, cudaDataType ta, int64_t lda, const void* B,
+             cudaDataType tb, int64_t ldb, void* C, int64_t ldc, bool c_f32, const float* scale_a,
+             const float* scale_b, bool fast_accum, float beta = 0.f) {
+        Key key{ta, tb, c_f32 ? CUDA_R_32F : CUDA_R_16BF, Op::N, Op::T, m, n, k, lda, ldb, ldc, fast_accum,
+                align(A), align(B), align(C)};
+        run(stream, key, A, B, C, 1.f, beta, scale_a, scale_b);
+    }
+
+    size_t cached_plans() const { return plans_.size(); }
+
+   private:
+    struct Key {
+        cudaDataType ta, tb, tc;
+        Op opa, opb;
+        int m, n, k;
+        int64_t lda, ldb, ldc;
+        bool fast_accum;
+        int align_a, align_b, align_c;
+        auto tie() const {
+            return std::tie(ta, tb, tc, opa, opb, m, n, k, lda, ldb, ldc, fast_accum, align_a, align_b, align_c);
+        }
+        bool operator<(const Key& o) const { return tie() < o.tie(); }
+    };
+    struct Plan {
+        cublasLtMatmulDesc_t desc = nullptr;
+        cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+        cublasLtMatmulAlgo_t algo;
+    };
+
+    static int align(const void* p) {
+        uintptr_t v = (uintptr_t)p;
+        int a = 256;
+        while (a > 1 && v % a) a >>= 1;
+        return a;
+    }
+
+    static void release(Plan& p) {
+        if (p.desc) CUBLAS_CHECK(cublasLtMatmulDescDestroy(p.desc));
+        for (cublasLtMatrixLayout_t l : {p.a, p.b, p.c})
+            if (l) CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(l));
+    }
+
+    // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLASLt's A is our B.
+    Plan& plan(const Key& key) {
+        auto it = plans_.find(key);
+        if (it != plans_.end()) return it->second;
+        Plan p;
+        const bool fp8 = key.ta != CUDA_R_16BF;
+        CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+        cublasOperation_t ta = key.opb == Op::T ? CUBLAS_OP_T : CUBLAS_OP_N;
+        cublasOperation_t tb = key.opa == Op::T ? CUBLAS_OP_T : CUBLAS_OP_N;
+        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+        if (fp8) {
+            int8_t fast = key.fast_accum ? 1 : 0;
+            CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof fast));
+        }
+        // stored shapes, column-major: our B is n x k (op T) or k x n (op N) in row-major terms
+        CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, key.tb, key.opb == Op::N ? key.n : key.k,
+                                                key.opb == Op::N ? key.k : key.n, key.ldb));
+        CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, key.ta, key.opa == Op::N ? key.k : key.m,
+                                                key.opa == Op::N ? key.m : key.k, key.lda));
+        CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, key.tc, key.n, key.m, key.ldc));
+        cublasLtMatmulPreference_t pref;
+        CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                          &workspace_bytes_, sizeof workspace_bytes_));
+        uint32_t aa = key.align_b, ab = key.align_a, ac = key.align_c;  // cuBLASLt's A is our B
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aa, sizeof aa));
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ab, sizeof ab));
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ac, sizeof ac));
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac, sizeof ac));
+        if (fp8) {  // the scale pointers are set per call; only their presence matters to the heuristic
+            const float* none = nullptr;
+            CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &none, sizeof none));
+            CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &none, sizeof none));
+        }
+        cublasLtMatmulHeuristicResult_t result;
+        int found = 0;
+        CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found));
+        CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+        if (found == 0)
+            fatal(strprintf("cuBLASLt has no algorithm for a %s GEMM of m=%d n=%d k=%d (lda %lld ldb %lld ldc %lld)",
+                            fp8 ? "fp8" : "bf16", key.m, key.n, key.k, (long long)key.lda, (long long)key.ldb,
+                            (long long)key.ldc));
+        p.algo = result.algo;
+        return plans_.emplace(key, p).first->second;
+    }
+
+    void run(cudaStream_t stream, const Key& key, const void* A, const void* B, void* C, float alpha, float beta,
+             const float* scale_a, const float* scale_b) {
+        Plan& p = plan(key);
+        if (scale_a) {  // cuBLASLt's A is our B
+            CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_b, sizeof scale_b));
+            CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_a, sizeof scale_a));
+        }
+        CUBLAS_CHECK(cublasLtMatmul(lt_, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo, workspace_,
+                                    workspace_bytes_, stream));
+    }
+
+    cublasLtHandle_t lt_ = nullptr;
+    void* workspace_ = nullptr;
+    size_t workspace_bytes_;
+    std::map<Key, Plan> plans_;
+};
 
 // -----------------------------------------------------------------------------
 // Training Management: the schedules of record 61, as pure functions of the step.

@@ -589,3 +589,219 @@ inline cudaError_t attention_backward(const attn::Params& p, cudaStream_t stream
     attn::attn_bwd_kernel<<<dim3(2 * attn::max_tiles(p.positions, p.cu_len), p.heads), attn::THREADS, attn::BWD_SMEM, stream>>>(p);
     return cudaGetLastError();
 }
+
+// -----------------------------------------------------------------------------
+// Fused soft-capped cross-entropy with multi-token prediction (record 61's
+// FusedSoftcappedCrossEntropy): z = a * sigmoid((logit + b) / c), lse = log sum exp z, and the row's
+// loss sum_k w_k (lse - z[target[row + k]]) over the k with row + k < rows. Training writes the
+// gradient in the same pass over the logits (the second read of a row hits L2):
+//   dlogit = grad_scale * (sum_k w_k * softmax(z) - sum_k w_k [col == target[row + k]]) * z (1 - z/a) / c
+// Evaluation (weights {1}, no gradient) gives the plain next-token loss. z < a bounds exp(z), so
+// the sum needs no running maximum. One CTA per row; vocab a multiple of 8 (16-byte loads).
+
+namespace ce {
+
+constexpr int THREADS = 512;
+constexpr int MAX_PREDICT = 4;
+
+struct Params {
+    const __nv_bfloat16* logits;  // rows x vocab, row stride ld
+    int64_t ld;
+    const int* targets;           // rows
+    int rows, vocab;
+    int n_predict;                // weights used (1 in evaluation)
+    float w[MAX_PREDICT];
+    float a, b, c;                // soft-cap
+    float* losses;                // rows
+    __nv_bfloat16* grad;          // rows x vocab (row stride ld_grad), or null for no gradient; may alias logits
+    int64_t ld_grad;
+    float grad_scale;
+};
+
+__device__ __forceinline__ float softcap(const Params& p, float x) { return p.a / (1.f + __expf(-(x + p.b) / p.c)); }
+
+__device__ __forceinline__ float block_sum(float v, float* red) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < THREADS / 32 ? red[lane] : 0.f;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+        if (lane == 0) red[0] = v;
+    }
+    __syncthreads();
+    return red[0];
+}
+
+__global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) {
+    __shared__ float red[THREADS / 32];
+    const int row = blockIdx.x;
+    const __nv_bfloat16* x = p.logits + (int64_t)row * p.ld;
+    const int nvec = p.vocab / 8;
+    float sum = 0.f;
+    for (int v = threadIdx.x; v < nvec; v += THREADS) {
+        uint4 u = *reinterpret_cast<const uint4*>(x + v * 8);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            float2 f = __bfloat1622float2(h[k]);
+            sum += __expf(softcap(p, f.x)) + __expf(softcap(p, f.y));
+        }
+    }
+    int tgt[MAX_PREDICT];
+    float wsum = 0.f, zt[MAX_PREDICT];
+#pragma unroll
+    for (int k = 0; k < MAX_PREDICT; ++k) {
+        bool on = k < p.n_predict && row + k < p.rows;
+        tgt[k] = on ? p.targets[row + k] : -1;
+        if (on) wsum += p.w[k];
+        // read before the barrier in block_sum: the gradient may overwrite the logits in place
+        zt[k] = threadIdx.x == 0 && tgt[k] >= 0 && tgt[k] < p.vocab ? softcap(p, __bfloat162float(x[tgt[k]])) : 0.f;
+    }
+    const float lse = logf(block_sum(sum, red));
+    if (threadIdx.x == 0) {
+        float loss = 0.f;
+#pragma unroll
+        for (int k = 0; k < MAX_PREDICT; ++k)
+            if (tgt[k] >= 0 && tgt[k] < p.vocab) loss += p.w[k] * (lse - zt[k]);
+        p.losses[row] = loss;
+    }
+    if (!p.grad) return;
+    __nv_bfloat16* g = p.grad + (int64_t)row * p.ld_grad;
+    const float inv_c = 1.f / p.c, inv_a = 1.f / p.a;
+    for (int v = threadIdx.x; v < nvec; v += THREADS) {
+        uint4 u = *reinterpret_cast<const uint4*>(x + v * 8);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+        uint4 out;
+        uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            float2 f = __bfloat1622float2(h[k]);
+            float r[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int col = v * 8 + 2 * k + e;
+                const float z = softcap(p, e ? f.y : f.x);
+                float dz = wsum * __expf(z - lse);
+#pragma unroll
+                for (int t = 0; t < MAX_PREDICT; ++t)
+                    if (col == tgt[t]) dz -= p.w[t];
+                r[e] = p.grad_scale * dz * z * (1.f - z * inv_a) * inv_c;
+            }
+            o[k] = tk::pack_bf16(r[0], r[1]);
+        }
+        *reinterpret_cast<uint4*>(g + v * 8) = out;
+    }
+}
+
+}  // namespace ce
+
+inline cudaError_t softcapped_cross_entropy(const ce::Params& p, cudaStream_t stream) {
+    if (p.vocab % 8 != 0 || p.ld % 8 != 0 || (p.grad && p.ld_grad % 8 != 0) || p.n_predict < 1 ||
+        p.n_predict > ce::MAX_PREDICT)
+        return cudaErrorInvalidValue;
+    ce::softcapped_ce_kernel<<<p.rows, ce::THREADS, 0, stream>>>(p);
+    return cudaGetLastError();
+}
+
+// -----------------------------------------------------------------------------
+// RMSNorm over rows of `dim` (F.rms_norm without weight): y = x / sqrt(mean(x^2) + eps), in fp32,
+// with 1/rms kept per row for the backward: dx = r (dy - x r^2 mean(dy x)). One warp per row;
+// dim a multiple of 256 up to 1024 (each lane holds dim/32 values in registers).
+
+namespace rmsnorm {
+
+template <int DIM>
+__global__ void fwd_kernel(const __nv_bfloat16* x, int64_t ldx, __nv_bfloat16* y, int64_t ldy, float* rstd, int rows,
+                           float eps) {
+    constexpr int V = DIM / 256;  // 16-byte vectors per lane
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    float f[V][8];
+    float ss = 0.f;
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+        uint4 u = *reinterpret_cast<const uint4*>(x + row * ldx + (v * 32 + lane) * 8);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            float2 t = __bfloat1622float2(h[k]);
+            f[v][2 * k] = t.x, f[v][2 * k + 1] = t.y;
+            ss += t.x * t.x + t.y * t.y;
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    const float r = rsqrtf(ss / DIM + eps);
+    if (rstd && lane == 0) rstd[row] = r;
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+        uint4 out;
+        uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) o[k] = tk::pack_bf16(f[v][2 * k] * r, f[v][2 * k + 1] * r);
+        *reinterpret_cast<uint4*>(y + row * ldy + (v * 32 + lane) * 8) = out;
+    }
+}
+
+template <int DIM>
+__global__ void bwd_kernel(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* dy, int64_t lddy,
+                           const float* rstd, __nv_bfloat16* dx, int64_t lddx, int rows) {
+    constexpr int V = DIM / 256;
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    float fx[V][8], fg[V][8];
+    float dot = 0.f;
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+        uint4 ux = *reinterpret_cast<const uint4*>(x + row * ldx + (v * 32 + lane) * 8);
+        uint4 ug = *reinterpret_cast<const uint4*>(dy + row * lddy + (v * 32 + lane) * 8);
+        const __nv_bfloat162* hx = reinterpret_cast<const __nv_bfloat162*>(&ux);
+        const __nv_bfloat162* hg = reinterpret_cast<const __nv_bfloat162*>(&ug);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            float2 a = __bfloat1622float2(hx[k]), b = __bfloat1622float2(hg[k]);
+            fx[v][2 * k] = a.x, fx[v][2 * k + 1] = a.y, fg[v][2 * k] = b.x, fg[v][2 * k + 1] = b.y;
+            dot += a.x * b.x + a.y * b.y;
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    const float r = rstd[row], c = r * r * dot / DIM;
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+        uint4 out;
+        uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            o[k] = tk::pack_bf16(r * (fg[v][2 * k] - fx[v][2 * k] * c), r * (fg[v][2 * k + 1] - fx[v][2 * k + 1] * c));
+        *reinterpret_cast<uint4*>(dx + row * lddx + (v * 32 + lane) * 8) = out;
+    }
+}
+
+}  // namespace rmsnorm
+
+// y = rms_norm(x) over rows of dim (768 in the model); rstd may be null (evaluation)
+inline cudaError_t rms_norm_forward(const __nv_bfloat16* x, int64_t ldx, __nv_bfloat16* y, int64_t ldy, float* rstd,
+                                    int rows, int dim, float eps, cudaStream_t stream) {
+    const unsigned blocks = (unsigned)((rows + 7) / 8);
+    if (rows <= 0) return cudaSuccess;
+    if (dim == 768) rmsnorm::fwd_kernel<768><<<blocks, 256, 0, stream>>>(x, ldx, y, ldy, rstd, rows, eps);
+    else if (dim == 256) rmsnorm::fwd_kernel<256><<<blocks, 256, 0, stream>>>(x, ldx, y, ldy, rstd, rows, eps);
+    else return cudaErrorInvalidValue;
+    return cudaGetLastError();
+}
+
+inline cudaError_t rms_norm_backward(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* dy, int64_t lddy,
+                                     const float* rstd, __nv_bfloat16* dx, int64_t lddx, int rows, int dim,
+                                     cudaStream_t stream) {
+    const unsigned blocks = (unsigned)((rows + 7) / 8);
+    if (rows <= 0) return cudaSuccess;
+    if (dim == 768) rmsnorm::bwd_kernel<768><<<blocks, 256, 0, stream>>>(x, ldx, dy, lddy, rstd, dx, lddx, rows);
+    else if (dim == 256) rmsnorm::bwd_kernel<256><<<blocks, 256, 0, stream>>>(x, ldx, dy, lddy, rstd, dx, lddx, rows);
+    else return cudaErrorInvalidValue;
+    return cudaGetLastError();
+}

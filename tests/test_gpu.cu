@@ -8,6 +8,8 @@
 
 #include "testing.h"
 
+#include <cuda_fp8.h>
+
 // batches built in pinned memory and copied with cudaMemcpyAsync arrive intact, and the loader
 // waits for a buffer's copy before it refills that buffer
 static void test_upload(const std::string& dir) {
@@ -294,6 +296,235 @@ static void test_attention() {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// soft-capped MTP cross-entropy, RMSNorm, cuBLASLt GEMMs against fp64 CPU references
+
+static std::vector<uint16_t> random_bf16(std::mt19937_64& rng, size_t n, float sd) {
+    std::normal_distribution<float> nd(0.f, sd);
+    std::vector<uint16_t> v(n);
+    for (auto& x : v) x = float_to_bf16(nd(rng));
+    return v;
+}
+
+static double rel_err_d(const std::vector<double>& x, const std::vector<double>& ref) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+        if (!std::isfinite(x[i])) return INFINITY;
+        num += (x[i] - ref[i]) * (x[i] - ref[i]);
+        den += ref[i] * ref[i];
+    }
+    return std::sqrt(num / std::max(den, 1e-300));
+}
+
+static void ce_case(const char* name, int rows, int vocab, std::vector<float> w, bool train, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    const int64_t ld = vocab + 8;  // a row stride other than the width
+    std::vector<uint16_t> logits = random_bf16(rng, (size_t)rows * ld, 6.f);
+    std::vector<int> targets(rows);
+    for (auto& t : targets) t = (int)(rng() % vocab);
+    const double A = 23, B = 5, C = 7.5, gscale = 0.125;
+    // reference
+    std::vector<double> loss_ref(rows), grad_ref((size_t)rows * vocab);
+    for (int r = 0; r < rows; ++r) {
+        std::vector<double> z(vocab);
+        double s = 0;
+        for (int c = 0; c < vocab; ++c) {
+            z[c] = A / (1 + std::exp(-(bf16_to_float(logits[(size_t)r * ld + c]) + B) / C));
+            s += std::exp(z[c]);
+        }
+        const double lse = std::log(s);
+        double loss = 0, wsum = 0;
+        for (size_t k = 0; k < w.size(); ++k)
+            if (r + (int)k < rows) loss += w[k] * (lse - z[targets[r + k]]), wsum += w[k];
+        loss_ref[r] = loss;
+        for (int c = 0; c < vocab; ++c) {
+            double dz = wsum * std::exp(z[c] - lse);
+            for (size_t k = 0; k < w.size(); ++k)
+                if (r + (int)k < rows && targets[r + k] == c) dz -= w[k];
+            grad_ref[(size_t)r * vocab + c] = gscale * dz * z[c] * (1 - z[c] / A) / C;
+        }
+    }
+    DeviceArray<uint16_t> dl(logits), dg((size_t)rows * ld);
+    DeviceArray<int> dt(targets);
+    DeviceArray<float> dloss(rows);
+    dg.poison();
+    dloss.poison();
+    ce::Params p{};
+    p.logits = reinterpret_cast<const __nv_bfloat16*>(dl.ptr), p.ld = ld, p.targets = dt.ptr;
+    p.rows = rows, p.vocab = vocab, p.n_predict = (int)w.size();
+    for (size_t k = 0; k < w.size(); ++k) p.w[k] = w[k];
+    p.a = (float)A, p.b = (float)B, p.c = (float)C, p.losses = dloss.ptr;
+    p.grad = train ? reinterpret_cast<__nv_bfloat16*>(dg.ptr) : nullptr, p.ld_grad = ld, p.grad_scale = (float)gscale;
+    CUDA_CHECK(softcapped_cross_entropy(p, 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> lo = dloss.download();
+    std::vector<double> loss(lo.begin(), lo.end());
+    double e_loss = rel_err_d(loss, loss_ref), e_grad = 0;
+    if (train) {
+        std::vector<uint16_t> gg = dg.download();
+        std::vector<double> grad((size_t)rows * vocab);
+        for (int r = 0; r < rows; ++r)
+            for (int c = 0; c < vocab; ++c) grad[(size_t)r * vocab + c] = bf16_to_float(gg[(size_t)r * ld + c]);
+        e_grad = rel_err_d(grad, grad_ref);
+    }
+    printf("  cross-entropy %-28s rows %4d vocab %6d  rel err: loss %.1e grad %.1e\n", name, rows, vocab, e_loss, e_grad);
+    CHECK(e_loss < 1e-5 && e_grad < 1e-2, "%s: cross-entropy differs from the fp64 reference (loss %.2e grad %.2e)",
+          name, e_loss, e_grad);
+}
+
+static void rmsnorm_case(int rows, int dim, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    const int64_t ld = dim + 64;
+    std::vector<uint16_t> x = random_bf16(rng, (size_t)rows * ld, 3.f), dy = random_bf16(rng, (size_t)rows * ld, 1.f);
+    const float eps = 1.1920929e-07f;
+    std::vector<double> y_ref((size_t)rows * dim), dx_ref((size_t)rows * dim);
+    for (int r = 0; r < rows; ++r) {
+        double ss = 0, dot = 0;
+        for (int c = 0; c < dim; ++c) {
+            double v = bf16_to_float(x[(size_t)r * ld + c]);
+            ss += v * v;
+            dot += v * bf16_to_float(dy[(size_t)r * ld + c]);
+        }
+        double rs = 1 / std::sqrt(ss / dim + eps);
+        for (int c = 0; c < dim; ++c) {
+            double v = bf16_to_float(x[(size_t)r * ld + c]), g = bf16_to_float(dy[(size_t)r * ld + c]);
+            y_ref[(size_t)r * dim + c] = v * rs;
+            dx_ref[(size_t)r * dim + c] = rs * (g - v * rs * rs * dot / dim);
+        }
+    }
+    DeviceArray<uint16_t> dx_in(x), ddy(dy), dyo((size_t)rows * ld), ddx((size_t)rows * ld);
+    DeviceArray<float> rstd(rows);
+    dyo.poison(), ddx.poison(), rstd.poison();
+    auto bf = [](uint16_t* p) { return reinterpret_cast<__nv_bfloat16*>(p); };
+    CUDA_CHECK(rms_norm_forward(bf(dx_in.ptr), ld, bf(dyo.ptr), ld, rstd.ptr, rows, dim, eps, 0));
+    CUDA_CHECK(rms_norm_backward(bf(dx_in.ptr), ld, bf(ddy.ptr), ld, rstd.ptr, bf(ddx.ptr), ld, rows, dim, 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    auto take = [&](const std::vector<uint16_t>& v) {
+        std::vector<double> out((size_t)rows * dim);
+        for (int r = 0; r < rows; ++r)
+            for (int c = 0; c < dim; ++c) out[(size_t)r * dim + c] = bf16_to_float(v[(size_t)r * ld + c]);
+        return out;
+    };
+    double ey = rel_err_d(take(dyo.download()), y_ref), ed = rel_err_d(take(ddx.download()), dx_ref);
+    printf("  rms_norm rows %5d dim %4d  rel err: y %.1e dx %.1e\n", rows, dim, ey, ed);
+    CHECK(ey < 1e-2 && ed < 1e-2, "rms_norm rows %d dim %d differs from the fp64 reference (y %.2e dx %.2e)", rows, dim, ey, ed);
+}
+
+static float fp8_to_float(uint8_t v, bool e5m2) {
+    if (e5m2) {
+        __nv_fp8_e5m2 f;
+        f.__x = v;
+        return (float)f;
+    }
+    __nv_fp8_e4m3 f;
+    f.__x = v;
+    return (float)f;
+}
+
+static void gemm_bf16_case(Gemms& gemms, Op opa, Op opb, int m, int n, int k, bool c_f32, float beta, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    // stored shapes (row-major) with padded leading dimensions
+    const int ar = opa == Op::N ? m : k, ac = opa == Op::N ? k : m, br = opb == Op::N ? k : n, bc = opb == Op::N ? n : k;
+    const int64_t lda = ac + 8, ldb = bc + 16, ldc = n + 8;
+    std::vector<uint16_t> a = random_bf16(rng, (size_t)ar * lda, 1.f), b = random_bf16(rng, (size_t)br * ldb, 1.f);
+    std::vector<float> c0((size_t)m * ldc);
+    for (auto& v : c0) v = (float)(rng() % 1000) / 500.f - 1.f;
+    std::vector<double> ref((size_t)m * n);
+    for (int i = 0; i < m; ++i)
+        for (int j = 0; j < n; ++j) {
+            double s = 0;
+            for (int t = 0; t < k; ++t) {
+                double av = bf16_to_float(opa == Op::N ? a[(size_t)i * lda + t] : a[(size_t)t * lda + i]);
+                double bv = bf16_to_float(opb == Op::N ? b[(size_t)t * ldb + j] : b[(size_t)j * ldb + t]);
+                s += av * bv;
+            }
+            ref[(size_t)i * n + j] = s + (c_f32 ? beta * c0[(size_t)i * ldc + j] : 0.0);
+        }
+    DeviceArray<uint16_t> da(a), db(b), dc16((size_t)m * ldc);
+    DeviceArray<float> dc32(c0);
+    dc16.poison();
+    auto bf = [](uint16_t* p) { return reinterpret_cast<const __nv_bfloat16*>(p); };
+    gemms.bf16(0, opa, opb, m, n, k, bf(da.ptr), lda, bf(db.ptr), ldb, c_f32 ? (void*)dc32.ptr : (void*)dc16.ptr, ldc,
+               c_f32, 1.f, c_f32 ? beta : 0.f);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<double> got((size_t)m * n);
+    std::vector<uint16_t> g16 = dc16.download();
+    std::vector<float> g32 = dc32.download();
+    for (int i = 0; i < m; ++i)
+        for (int j = 0; j < n; ++j)
+            got[(size_t)i * n + j] = c_f32 ? g32[(size_t)i * ldc + j] : bf16_to_float(g16[(size_t)i * ldc + j]);
+    double e = rel_err_d(got, ref);
+    const double tol = c_f32 ? 1e-5 : 1e-2;
+    printf("  gemm bf16 %c%c m %4d n %4d k %4d -> %s%s  rel err %.1e\n", opa == Op::N ? 'N' : 'T', opb == Op::N ? 'N' : 'T',
+           m, n, k, c_f32 ? "fp32" : "bf16", beta != 0.f && c_f32 ? " (+= C)" : "", e);
+    CHECK(e < tol, "bf16 gemm m %d n %d k %d differs from the fp64 reference (%.2e)", m, n, k, e);
+}
+
+static void gemm_fp8_case(Gemms& gemms, int m, int n, int k, bool a_e5m2, bool b_e5m2, bool c_f32, bool fast, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    const int64_t lda = k + 16, ldb = k + 32, ldc = n + 8;
+    std::vector<uint8_t> a((size_t)m * lda), b((size_t)n * ldb);
+    // random finite fp8 values (avoid NaN/inf encodings)
+    auto fill = [&](std::vector<uint8_t>& v, bool e5m2) {
+        for (auto& x : v) {
+            do x = (uint8_t)(rng() & 0xff);
+            while (!std::isfinite(fp8_to_float(x, e5m2)) || std::fabs(fp8_to_float(x, e5m2)) > 64.f);
+        }
+    };
+    fill(a, a_e5m2), fill(b, b_e5m2);
+    const float sa = 0.25f, sb = 0.0078125f;
+    std::vector<double> ref((size_t)m * n);
+    for (int i = 0; i < m; ++i)
+        for (int j = 0; j < n; ++j) {
+            double s = 0;
+            for (int t = 0; t < k; ++t)
+                s += (double)fp8_to_float(a[(size_t)i * lda + t], a_e5m2) * fp8_to_float(b[(size_t)j * ldb + t], b_e5m2);
+            ref[(size_t)i * n + j] = s * sa * sb;
+        }
+    DeviceArray<uint8_t> da(a), db(b), dc16((size_t)m * ldc * 2);
+    DeviceArray<float> dc32((size_t)m * ldc), scales(std::vector<float>{sa, sb});
+    dc16.poison(), dc32.poison();
+    gemms.fp8(0, m, n, k, da.ptr, a_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3, lda, db.ptr,
+              b_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3, ldb, c_f32 ? (void*)dc32.ptr : (void*)dc16.ptr, ldc, c_f32,
+              scales.ptr, scales.ptr + 1, fast);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<double> got((size_t)m * n);
+    std::vector<uint8_t> g8 = dc16.download();
+    std::vector<float> g32 = dc32.download();
+    for (int i = 0; i < m; ++i)
+        for (int j = 0; j < n; ++j) {
+            uint16_t h;
+            memcpy(&h, &g8[((size_t)i * ldc + j) * 2], 2);
+            got[(size_t)i * n + j] = c_f32 ? g32[(size_t)i * ldc + j] : bf16_to_float(h);
+        }
+    double e = rel_err_d(got, ref);
+    const double tol = c_f32 && !fast ? 1e-5 : 1e-2;
+    printf("  gemm fp8 %s x %s m %4d n %4d k %4d -> %s%s  rel err %.1e\n", a_e5m2 ? "e5m2" : "e4m3",
+           b_e5m2 ? "e5m2" : "e4m3", m, n, k, c_f32 ? "fp32" : "bf16", fast ? " fast accum" : "", e);
+    CHECK(e < tol, "fp8 gemm m %d n %d k %d differs from the fp64 reference (%.2e)", m, n, k, e);
+}
+
+static void test_model_kernels() {
+    ce_case("train, 3 MTP weights", 37, 1000, {1.f, 0.5f, 0.125f}, true, 1);
+    ce_case("train, 2 MTP weights", 20, 50304, {1.f, 0.25f}, true, 2);
+    ce_case("train, 1 weight", 9, 4104, {1.f}, true, 3);
+    ce_case("evaluation", 33, 50304, {1.f}, false, 4);
+    rmsnorm_case(37, 768, 5);
+    rmsnorm_case(1001, 768, 6);
+    rmsnorm_case(5, 256, 7);
+    Gemms gemms;
+    gemm_bf16_case(gemms, Op::N, Op::T, 37, 130, 72, false, 0.f, 8);
+    gemm_bf16_case(gemms, Op::N, Op::N, 64, 200, 96, false, 0.f, 9);
+    gemm_bf16_case(gemms, Op::T, Op::N, 96, 72, 129, true, 1.f, 10);
+    gemm_bf16_case(gemms, Op::N, Op::T, 256, 768, 768, true, 0.f, 11);
+    gemm_fp8_case(gemms, 48, 80, 96, false, false, false, true, 12);  // forward: e4m3 x e4m3, fast accumulation
+    gemm_fp8_case(gemms, 64, 96, 128, true, false, false, false, 13);  // grad_x: e5m2 x e4m3
+    gemm_fp8_case(gemms, 32, 144, 64, false, true, true, false, 14);  // grad_w: e4m3 x e5m2 -> fp32
+    size_t before = gemms.cached_plans();
+    gemm_bf16_case(gemms, Op::N, Op::T, 37, 130, 72, false, 0.f, 15);
+    CHECK(gemms.cached_plans() == before, "a repeated GEMM shape chose its algorithm again");
+}
+
 int main() {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
@@ -311,6 +542,7 @@ int main() {
     try {
         test_upload(tmpl);
         test_attention();
+        test_model_kernels();
     } catch (const std::exception& ex) {
         ++g_failed;
         printf("FAIL: uncaught error: %s\n", ex.what());
