@@ -459,8 +459,8 @@ class Gemms {
     }
 
     // C[m x n] = scale_a scale_b A[m x k] B[n x k]^T with fp8 A and B (each K-contiguous, as Hopper's
-    // fp8 tensor cores want them), CUDA_R_8F_E4M3 or CUDA_R_8F_E5M2; scales are device pointers;
-    // C bf16 or fp32. fast_accum: the tensor cores' faster, less precise accumulation.
+    // fp8 tensor cores want them), CUDA_R_8F_E4M3 or CUDA_R_8F_E5M2; scales are device pointers
+    // (16-byte aligned); C bf16 or fp32. fast_accum: the tensor cores' faster, less precise accumulation.
     void fp8(cudaStream_t stream, int m, int n, int k, const void* A, cudaDataType ta, int64_t lda, const void* B,
              cudaDataType tb, int64_t ldb, void* C, int64_t ldc, bool c_f32, const float* scale_a,
              const float* scale_b, bool fast_accum, float beta = 0.f) {
@@ -487,7 +487,7 @@ class Gemms {
     struct Plan {
         cublasLtMatmulDesc_t desc = nullptr;
         cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-        cublasLtMatmulAlgo_t algo;
+        std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's, best first
     };
 
     static int align(const void* p) {
@@ -533,23 +533,27 @@ class Gemms {
         CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ab, sizeof ab));
         CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ac, sizeof ac));
         CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac, sizeof ac));
-        if (fp8) {  // the scale pointers are set per call; only their presence matters to the heuristic
-            const float* none = nullptr;
-            CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &none, sizeof none));
-            CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &none, sizeof none));
+        if (fp8) {  // the heuristic must see scaling; the real scale pointers are set per call
+            const void* any = workspace_;
+            CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &any, sizeof any));
+            CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &any, sizeof any));
         }
-        cublasLtMatmulHeuristicResult_t result;
+        cublasLtMatmulHeuristicResult_t results[8];
         int found = 0;
-        CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found));
+        CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, p.desc, p.a, p.b, p.c, p.c, pref, 8, results, &found));
         CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
-        if (found == 0)
-            fatal(strprintf("cuBLASLt has no algorithm for a %s GEMM of m=%d n=%d k=%d (lda %lld ldb %lld ldc %lld)",
-                            fp8 ? "fp8" : "bf16", key.m, key.n, key.k, (long long)key.lda, (long long)key.ldb,
-                            (long long)key.ldc));
-        p.algo = result.algo;
+        for (int i = 0; i < found; ++i) p.candidates.push_back(results[i].algo);
+        if (found == 0) fatal("cuBLASLt has no algorithm for a " + describe(key));
         return plans_.emplace(key, p).first->second;
     }
 
+    static std::string describe(const Key& key) {
+        return strprintf("%s GEMM of m=%d n=%d k=%d (lda %lld ldb %lld ldc %lld)", key.ta == CUDA_R_16BF ? "bf16" : "fp8",
+                         key.m, key.n, key.k, (long long)key.lda, (long long)key.ldb, (long long)key.ldc);
+    }
+
+    // The heuristic's first choice, or (once, on the first call) the next candidate where a
+    // choice turns out not to run with these arguments.
     void run(cudaStream_t stream, const Key& key, const void* A, const void* B, void* C, float alpha, float beta,
              const float* scale_a, const float* scale_b) {
         Plan& p = plan(key);
@@ -557,8 +561,14 @@ class Gemms {
             CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_b, sizeof scale_b));
             CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_a, sizeof scale_a));
         }
-        CUBLAS_CHECK(cublasLtMatmul(lt_, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo, workspace_,
-                                    workspace_bytes_, stream));
+        while (true) {
+            cublasStatus_t st = cublasLtMatmul(lt_, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c,
+                                               &p.candidates.front(), workspace_, workspace_bytes_, stream);
+            if (st == CUBLAS_STATUS_SUCCESS) return;
+            if (st != CUBLAS_STATUS_NOT_SUPPORTED || p.candidates.size() == 1)
+                fatal(strprintf("cublasLtMatmul failed for a %s: %s", describe(key).c_str(), cublasLtGetStatusString(st)));
+            p.candidates.erase(p.candidates.begin());
+        }
     }
 
     cublasLtHandle_t lt_ = nullptr;

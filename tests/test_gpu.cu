@@ -482,11 +482,11 @@ static void gemm_fp8_case(Gemms& gemms, int m, int n, int k, bool a_e5m2, bool b
             ref[(size_t)i * n + j] = s * sa * sb;
         }
     DeviceArray<uint8_t> da(a), db(b), dc16((size_t)m * ldc * 2);
-    DeviceArray<float> dc32((size_t)m * ldc), scales(std::vector<float>{sa, sb});
+    DeviceArray<float> dc32((size_t)m * ldc), scale_a(std::vector<float>{sa}), scale_b(std::vector<float>{sb});
     dc16.poison(), dc32.poison();
     gemms.fp8(0, m, n, k, da.ptr, a_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3, lda, db.ptr,
               b_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3, ldb, c_f32 ? (void*)dc32.ptr : (void*)dc16.ptr, ldc, c_f32,
-              scales.ptr, scales.ptr + 1, fast);
+              scale_a.ptr, scale_b.ptr, fast);
     CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<double> got((size_t)m * n);
     std::vector<uint8_t> g8 = dc16.download();
@@ -498,7 +498,9 @@ static void gemm_fp8_case(Gemms& gemms, int m, int n, int k, bool a_e5m2, bool b
             got[(size_t)i * n + j] = c_f32 ? g32[(size_t)i * ldc + j] : bf16_to_float(h);
         }
     double e = rel_err_d(got, ref);
-    const double tol = c_f32 && !fast ? 1e-5 : 1e-2;
+    // Hopper's fp8 tensor cores sum each k-block with a reduced-precision accumulator (cuBLASLt
+    // promotes to fp32 between blocks unless fast_accum): ~1e-4 relative even with fp32 output
+    const double tol = c_f32 && !fast ? 1e-3 : 1e-2;
     printf("  gemm fp8 %s x %s m %4d n %4d k %4d -> %s%s  rel err %.1e\n", a_e5m2 ? "e5m2" : "e4m3",
            b_e5m2 ? "e5m2" : "e4m3", m, n, k, c_f32 ? "fp32" : "bf16", fast ? " fast accum" : "", e);
     CHECK(e < tol, "fp8 gemm m %d n %d k %d differs from the fp64 reference (%.2e)", m, n, k, e);
