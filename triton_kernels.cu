@@ -7,7 +7,9 @@
 // fused soft-capped multi-token-prediction cross-entropy, the tiled transposes of the tied embedding.
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
+#include <algorithm>
 #include <cstdint>
 
 // -----------------------------------------------------------------------------
@@ -803,5 +805,288 @@ inline cudaError_t rms_norm_backward(const __nv_bfloat16* x, int64_t ldx, const 
     if (dim == 768) rmsnorm::bwd_kernel<768><<<blocks, 256, 0, stream>>>(x, ldx, dy, lddy, rstd, dx, lddx, rows);
     else if (dim == 256) rmsnorm::bwd_kernel<256><<<blocks, 256, 0, stream>>>(x, ldx, dy, lddy, rstd, dx, lddx, rows);
     else return cudaErrorInvalidValue;
+    return cudaGetLastError();
+}
+
+// -----------------------------------------------------------------------------
+// ReLU^2 of the MLP (record 61 fuses it into the c_fc GEMM's epilogue; here one pass after it):
+// forward post = relu(pre)^2; backward dpre = 2 dpost relu(pre). bf16, 8 elements per thread.
+
+namespace relu2 {
+
+__global__ void fwd_kernel(const __nv_bfloat16* pre, __nv_bfloat16* post, int64_t n8) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8; i += (int64_t)gridDim.x * blockDim.x) {
+        uint4 u = reinterpret_cast<const uint4*>(pre)[i];
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+        uint4 out;
+        uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            float2 f = __bfloat1622float2(h[k]);
+            float a = fmaxf(f.x, 0.f), b = fmaxf(f.y, 0.f);
+            o[k] = tk::pack_bf16(a * a, b * b);
+        }
+        reinterpret_cast<uint4*>(post)[i] = out;
+    }
+}
+
+__global__ void bwd_kernel(const __nv_bfloat16* pre, const __nv_bfloat16* dpost, __nv_bfloat16* dpre, int64_t n8) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8; i += (int64_t)gridDim.x * blockDim.x) {
+        uint4 u = reinterpret_cast<const uint4*>(pre)[i], g = reinterpret_cast<const uint4*>(dpost)[i];
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+        const __nv_bfloat162* gh = reinterpret_cast<const __nv_bfloat162*>(&g);
+        uint4 out;
+        uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            float2 f = __bfloat1622float2(h[k]), d = __bfloat1622float2(gh[k]);
+            o[k] = tk::pack_bf16(2.f * d.x * fmaxf(f.x, 0.f), 2.f * d.y * fmaxf(f.y, 0.f));
+        }
+        reinterpret_cast<uint4*>(dpre)[i] = out;
+    }
+}
+
+}  // namespace relu2
+
+// n: elements, a multiple of 8 (contiguous, 16-byte aligned buffers). dpre may alias dpost.
+inline cudaError_t relu_square_forward(const __nv_bfloat16* pre, __nv_bfloat16* post, int64_t n, cudaStream_t stream) {
+    if (n % 8) return cudaErrorInvalidValue;
+    const int64_t n8 = n / 8;
+    relu2::fwd_kernel<<<(unsigned)std::min<int64_t>((n8 + 255) / 256, 132 * 16), 256, 0, stream>>>(pre, post, n8);
+    return cudaGetLastError();
+}
+inline cudaError_t relu_square_backward(const __nv_bfloat16* pre, const __nv_bfloat16* dpost, __nv_bfloat16* dpre,
+                                        int64_t n, cudaStream_t stream) {
+    if (n % 8) return cudaErrorInvalidValue;
+    const int64_t n8 = n / 8;
+    relu2::bwd_kernel<<<(unsigned)std::min<int64_t>((n8 + 255) / 256, 132 * 16), 256, 0, stream>>>(pre, dpost, dpre, n8);
+    return cudaGetLastError();
+}
+
+// -----------------------------------------------------------------------------
+// fp8 casts of the lm_head (@YouJiacheng's static scales): dst = fp8(src / scale), saturating to
+// the format's largest finite value, e4m3 (activations, weights) or e5m2 (gradients). cuBLASLt's fp8
+// GEMMs want both operands contiguous along the contracted dimension, so the cast optionally
+// transposes (64 x 64 tiles through shared memory: reads and writes stay coalesced).
+
+namespace fp8cast {
+
+template <bool E5M2>
+__device__ __forceinline__ uint8_t to_fp8(float v) {
+    return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, E5M2 ? __NV_E5M2 : __NV_E4M3);
+}
+
+template <bool E5M2>
+__global__ void cast_kernel(const __nv_bfloat16* src, int64_t lds, uint8_t* dst, int64_t ldd, int rows, int cols,
+                            float inv_scale) {
+    const int c8 = cols / 8;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (int64_t)rows * c8;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int r = (int)(i / c8), c = (int)(i % c8) * 8;
+        uint4 u = *reinterpret_cast<const uint4*>(src + r * lds + c);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+        uint2 out;
+        uint8_t* o = reinterpret_cast<uint8_t*>(&out);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            float2 f = __bfloat1622float2(h[k]);
+            o[2 * k] = to_fp8<E5M2>(f.x * inv_scale);
+            o[2 * k + 1] = to_fp8<E5M2>(f.y * inv_scale);
+        }
+        *reinterpret_cast<uint2*>(dst + r * ldd + c) = out;
+    }
+}
+
+// dst[c][r] = fp8(src[r][c] / scale), one 64 x 64 tile per CTA of 256 threads
+template <bool E5M2>
+__global__ void cast_transpose_kernel(const __nv_bfloat16* src, int64_t lds, uint8_t* dst, int64_t ldd, int rows,
+                                      int cols, float inv_scale) {
+    __shared__ uint8_t tile[64][64 + 4];
+    const int r0 = blockIdx.y * 64, c0 = blockIdx.x * 64;
+    const int t = threadIdx.x;
+    // read: 64 rows x 64 bf16, 8 per thread (16 B), 8 threads a row
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+        const int r = pass * 32 + t / 8, c = (t % 8) * 8;
+        if (r0 + r < rows && c0 + c < cols) {
+            uint4 u = *reinterpret_cast<const uint4*>(src + (int64_t)(r0 + r) * lds + c0 + c);
+            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                float2 f = __bfloat1622float2(h[k]);
+                tile[c + 2 * k][r] = to_fp8<E5M2>(f.x * inv_scale);
+                tile[c + 2 * k + 1][r] = to_fp8<E5M2>(f.y * inv_scale);
+            }
+        }
+    }
+    __syncthreads();
+    // write: 64 rows (source columns) x 64 bytes, 16 per thread, 4 threads a row
+    const int c = t / 4, r = (t % 4) * 16;
+    if (c0 + c < cols && r0 + r < rows) {
+        uint4 out;
+        uint8_t* o = reinterpret_cast<uint8_t*>(&out);
+#pragma unroll
+        for (int k = 0; k < 16; ++k) o[k] = tile[c][r + k];
+        *reinterpret_cast<uint4*>(dst + (int64_t)(c0 + c) * ldd + r0 + r) = out;
+    }
+}
+
+}  // namespace fp8cast
+
+// src: rows x cols bf16 (row stride lds); dst: rows x cols fp8 (ldd), or cols x rows when transposed.
+// rows and cols multiples of 16; strides multiples of 16 elements.
+inline cudaError_t cast_to_fp8(const __nv_bfloat16* src, int64_t lds, void* dst, int64_t ldd, int rows, int cols,
+                               float scale, bool e5m2, bool transpose, cudaStream_t stream) {
+    if (rows % 16 || cols % 16 || lds % 16 || ldd % 16) return cudaErrorInvalidValue;
+    const float inv = 1.f / scale;
+    uint8_t* d = static_cast<uint8_t*>(dst);
+    if (transpose) {
+        dim3 grid((cols + 63) / 64, (rows + 63) / 64);
+        if (e5m2) fp8cast::cast_transpose_kernel<true><<<grid, 256, 0, stream>>>(src, lds, d, ldd, rows, cols, inv);
+        else fp8cast::cast_transpose_kernel<false><<<grid, 256, 0, stream>>>(src, lds, d, ldd, rows, cols, inv);
+    } else {
+        const int64_t n = (int64_t)rows * (cols / 8);
+        const unsigned blocks = (unsigned)std::min<int64_t>((n + 255) / 256, 132 * 16);
+        if (e5m2) fp8cast::cast_kernel<true><<<blocks, 256, 0, stream>>>(src, lds, d, ldd, rows, cols, inv);
+        else fp8cast::cast_kernel<false><<<blocks, 256, 0, stream>>>(src, lds, d, ldd, rows, cols, inv);
+    }
+    return cudaGetLastError();
+}
+
+// -----------------------------------------------------------------------------
+// Attention prologue: QK RMSNorm (@Grad62304977), half-truncated rotary (@YouJiacheng) with the
+// YaRN-updated frequencies, and the partial key offset of the long-window layers (key dims 32-63
+// and 96-127 take the previous token's values: 1-layer induction). Reads q and k from the QKV
+// projection (T x 3*heads*128), writes them contiguous (T x heads x 128). Rotation of the pair
+// (2i, 2i+1) by theta = pos * freq[i] with bf16-rounded cos/sin as the record's tables; dims 64-127
+// have frequency zero. pos is the token, or for the paired-head layers 2*token + (head & 1): the
+// record rotates head pairs (2j, 2j+1) as one 256-wide row with even/odd positions.
+// One warp per (token, head, q|k); lane l holds dims 4l..4l+3.
+
+namespace qkrope {
+
+struct Params {
+    const __nv_bfloat16* qkv;  // q at column h*128, k at heads*128 + h*128
+    int64_t ld;
+    __nv_bfloat16 *q, *k;      // tokens x heads x 128
+    int tokens, heads;
+    float freq[32];            // angular frequency of pair i (dims 2i, 2i+1), i < 32
+    float eps;
+    bool paired, key_offset;
+    // backward: gradients of q and k in, of the QKV projection's q and k columns out
+    const __nv_bfloat16 *dq, *dk;
+    __nv_bfloat16* dqkv;
+    int64_t ld_grad;
+};
+
+__device__ __forceinline__ void load4(const __nv_bfloat16* p, float f[4]) {
+    uint2 u = *reinterpret_cast<const uint2*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+    float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
+    f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
+}
+__device__ __forceinline__ void store4(__nv_bfloat16* p, const float f[4]) {
+    uint2 u;
+    u.x = tk::pack_bf16(f[0], f[1]), u.y = tk::pack_bf16(f[2], f[3]);
+    *reinterpret_cast<uint2*>(p) = u;
+}
+// cos, sin of the rotation of pair i at position pos, rounded to bf16 like the record's tables
+__device__ __forceinline__ void rot(const Params& p, int pos, int i, float& c, float& s) {
+    if (i >= 32) {
+        c = 1.f, s = 0.f;
+        return;
+    }
+    float theta = (float)pos * p.freq[i];
+    c = __bfloat162float(__float2bfloat16(cosf(theta)));
+    s = __bfloat162float(__float2bfloat16(sinf(theta)));
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+__device__ __forceinline__ bool shifted_lane(int lane) { return (lane >= 8 && lane < 16) || lane >= 24; }
+
+__global__ void fwd_kernel(const Params p) {
+    const int64_t w = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (w >= (int64_t)p.tokens * p.heads * 2) return;
+    const bool is_k = w & 1;
+    const int t = (int)(w / 2 / p.heads), h = (int)(w / 2 % p.heads);
+    float x[4];
+    load4(p.qkv + t * p.ld + (is_k ? p.heads * 128 : 0) + h * 128 + lane * 4, x);
+    const float r = rsqrtf(warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) / 128.f + p.eps);
+    const int pos = p.paired ? 2 * t + (h & 1) : t;
+    float y[4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        float c, s;
+        rot(p, pos, lane * 2 + j, c, s);
+        const float a = x[2 * j] * r, b = x[2 * j + 1] * r;
+        y[2 * j] = c * a + s * b;
+        y[2 * j + 1] = c * b - s * a;
+    }
+    __nv_bfloat16* out = is_k ? p.k : p.q;
+    const int64_t row = ((int64_t)t * p.heads + h) * 128 + lane * 4;
+    if (!(is_k && p.key_offset && shifted_lane(lane))) {
+        store4(out + row, y);
+    } else {  // shifted dims go to the next token; token 0 keeps its own
+        if (t + 1 < p.tokens) store4(out + row + (int64_t)p.heads * 128, y);
+        if (t == 0) store4(out + row, y);
+    }
+}
+
+__global__ void bwd_kernel(const Params p) {
+    const int64_t w = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (w >= (int64_t)p.tokens * p.heads * 2) return;
+    const bool is_k = w & 1;
+    const int t = (int)(w / 2 / p.heads), h = (int)(w / 2 % p.heads);
+    const int64_t row = ((int64_t)t * p.heads + h) * 128 + lane * 4;
+    const __nv_bfloat16* g = is_k ? p.dk : p.dq;
+    float dy[4] = {0.f, 0.f, 0.f, 0.f};
+    if (!(is_k && p.key_offset && shifted_lane(lane))) {
+        load4(g + row, dy);
+    } else {  // this token's shifted dims reached the next token (and itself, for token 0)
+        if (t + 1 < p.tokens) load4(g + row + (int64_t)p.heads * 128, dy);
+        if (t == 0) {
+            float own[4];
+            load4(g + row, own);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dy[e] += own[e];
+        }
+    }
+    // through the rotation (its transpose), then the norm
+    const int pos = p.paired ? 2 * t + (h & 1) : t;
+    float dn[4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        float c, s;
+        rot(p, pos, lane * 2 + j, c, s);
+        dn[2 * j] = c * dy[2 * j] - s * dy[2 * j + 1];
+        dn[2 * j + 1] = s * dy[2 * j] + c * dy[2 * j + 1];
+    }
+    const int64_t col = (is_k ? p.heads * 128 : 0) + h * 128 + lane * 4;
+    float x[4];
+    load4(p.qkv + t * p.ld + col, x);
+    const float r = rsqrtf(warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) / 128.f + p.eps);
+    const float dot = warp_sum(dn[0] * x[0] + dn[1] * x[1] + dn[2] * x[2] + dn[3] * x[3]);
+    const float cc = r * r * dot / 128.f;
+    float dx[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dx[e] = r * (dn[e] - x[e] * cc);
+    store4(p.dqkv + t * p.ld_grad + col, dx);
+}
+
+}  // namespace qkrope
+
+inline cudaError_t qk_norm_rope_forward(const qkrope::Params& p, cudaStream_t stream) {
+    const int64_t warps = (int64_t)p.tokens * p.heads * 2;
+    qkrope::fwd_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, stream>>>(p);
+    return cudaGetLastError();
+}
+inline cudaError_t qk_norm_rope_backward(const qkrope::Params& p, cudaStream_t stream) {
+    const int64_t warps = (int64_t)p.tokens * p.heads * 2;
+    qkrope::bwd_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, stream>>>(p);
     return cudaGetLastError();
 }

@@ -506,7 +506,156 @@ static void gemm_fp8_case(Gemms& gemms, int m, int n, int k, bool a_e5m2, bool b
     CHECK(e < tol, "fp8 gemm m %d n %d k %d differs from the fp64 reference (%.2e)", m, n, k, e);
 }
 
+static void relu2_case(int64_t n, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<uint16_t> pre = random_bf16(rng, n, 2.f), dpost = random_bf16(rng, n, 1.f);
+    DeviceArray<uint16_t> dpre_in(pre), ddpost(dpost), post(n), dpre(n);
+    post.poison(), dpre.poison();
+    auto bf = [](uint16_t* p) { return reinterpret_cast<__nv_bfloat16*>(p); };
+    CUDA_CHECK(relu_square_forward(bf(dpre_in.ptr), bf(post.ptr), n, 0));
+    CUDA_CHECK(relu_square_backward(bf(dpre_in.ptr), bf(ddpost.ptr), bf(dpre.ptr), n, 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<uint16_t> po = post.download(), dp = dpre.download();
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        float x = std::max(0.f, bf16_to_float(pre[i]));
+        bad += po[i] != float_to_bf16(x * x);
+        bad += dp[i] != float_to_bf16(2.f * bf16_to_float(dpost[i]) * x);
+    }
+    printf("  relu^2 n %lld: %lld of %lld values differ from fp32-then-bf16\n", (long long)n, (long long)bad, (long long)(2 * n));
+    CHECK(bad == 0, "relu^2: %lld values differ", (long long)bad);
+}
+
+static void fp8_cast_case(int rows, int cols, bool e5m2, bool transpose, float scale, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    const int64_t lds = cols + 16, ldd = (transpose ? rows : cols) + 32;
+    std::vector<uint16_t> src = random_bf16(rng, (size_t)rows * lds, 60.f * scale);
+    src[lds + 3] = float_to_bf16(1e6f);  // saturates
+    DeviceArray<uint16_t> dsrc(src);
+    DeviceArray<uint8_t> dst((size_t)(transpose ? cols : rows) * ldd);
+    dst.poison();
+    CUDA_CHECK(cast_to_fp8(reinterpret_cast<const __nv_bfloat16*>(dsrc.ptr), lds, dst.ptr, ldd, rows, cols, scale, e5m2,
+                           transpose, 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<uint8_t> got = dst.download();
+    const float inv = 1.f / scale;
+    int64_t bad = 0;
+    for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < cols; ++c) {
+            uint8_t want = (uint8_t)__nv_cvt_float_to_fp8(bf16_to_float(src[(size_t)r * lds + c]) * inv, __NV_SATFINITE,
+                                                          e5m2 ? __NV_E5M2 : __NV_E4M3);
+            bad += got[transpose ? (size_t)c * ldd + r : (size_t)r * ldd + c] != want;
+        }
+    printf("  fp8 cast %s %4d x %4d%s: %lld mismatches\n", e5m2 ? "e5m2" : "e4m3", rows, cols, transpose ? " transposed" : "",
+           (long long)bad);
+    CHECK(bad == 0, "fp8 cast %d x %d: %lld mismatches", rows, cols, (long long)bad);
+}
+
+// fp64 reference of QK norm + rotary + key offset, forward and backward
+static void qkrope_case(int T, bool paired, bool key_offset, uint64_t seed) {
+    const int H = 6, ld = 3 * H * 128;
+    std::mt19937_64 rng(seed);
+    std::vector<uint16_t> qkv = random_bf16(rng, (size_t)T * ld, 1.5f);
+    std::vector<uint16_t> dq = random_bf16(rng, (size_t)T * H * 128, 1.f), dk = random_bf16(rng, (size_t)T * H * 128, 1.f);
+    qkrope::Params p{};
+    for (int i = 0; i < 32; ++i) p.freq[i] = (float)std::pow(1.0 / 1024, i / 31.0) * (i < 12 ? 0.43f : 1.f);
+    p.eps = 1.1920929e-07f, p.paired = paired, p.key_offset = key_offset, p.tokens = T, p.heads = H, p.ld = ld;
+    p.ld_grad = ld;
+    // reference
+    std::vector<double> q_ref((size_t)T * H * 128), k_ref((size_t)T * H * 128), dqkv_ref((size_t)T * ld, 0.0);
+    auto cs = [&](int pos, int i, double& c, double& s) {
+        if (i >= 32) { c = 1, s = 0; return; }
+        float th = (float)pos * p.freq[i];
+        c = bf16_to_float(float_to_bf16((float)std::cos((double)th)));
+        s = bf16_to_float(float_to_bf16((float)std::sin((double)th)));
+    };
+    std::vector<double> rot((size_t)T * H * 128 * 2);  // rotated q, k before the key offset
+    for (int t = 0; t < T; ++t)
+        for (int h = 0; h < H; ++h)
+            for (int qk = 0; qk < 2; ++qk) {
+                const uint16_t* x = &qkv[(size_t)t * ld + qk * H * 128 + h * 128];
+                double ss = 0;
+                for (int d = 0; d < 128; ++d) ss += (double)bf16_to_float(x[d]) * bf16_to_float(x[d]);
+                double r = 1 / std::sqrt(ss / 128 + p.eps);
+                int pos = paired ? 2 * t + (h & 1) : t;
+                double* y = &rot[(((size_t)t * H + h) * 2 + qk) * 128];
+                for (int i = 0; i < 64; ++i) {
+                    double c, s, a = bf16_to_float(x[2 * i]) * r, b = bf16_to_float(x[2 * i + 1]) * r;
+                    cs(pos, i, c, s);
+                    y[2 * i] = c * a + s * b, y[2 * i + 1] = c * b - s * a;
+                }
+            }
+    auto shifted = [](int d) { return (d >= 32 && d < 64) || d >= 96; };
+    for (int t = 0; t < T; ++t)
+        for (int h = 0; h < H; ++h)
+            for (int d = 0; d < 128; ++d) {
+                q_ref[((size_t)t * H + h) * 128 + d] = rot[(((size_t)t * H + h) * 2 + 0) * 128 + d];
+                int src = key_offset && shifted(d) && t > 0 ? t - 1 : t;
+                k_ref[((size_t)t * H + h) * 128 + d] = rot[(((size_t)src * H + h) * 2 + 1) * 128 + d];
+            }
+    // backward: scatter dk back through the offset, then the rotation and the norm
+    std::vector<double> drot((size_t)T * H * 128 * 2, 0.0);
+    for (int t = 0; t < T; ++t)
+        for (int h = 0; h < H; ++h)
+            for (int d = 0; d < 128; ++d) {
+                drot[(((size_t)t * H + h) * 2 + 0) * 128 + d] += bf16_to_float(dq[((size_t)t * H + h) * 128 + d]);
+                int src = key_offset && shifted(d) && t > 0 ? t - 1 : t;
+                drot[(((size_t)src * H + h) * 2 + 1) * 128 + d] += bf16_to_float(dk[((size_t)t * H + h) * 128 + d]);
+            }
+    for (int t = 0; t < T; ++t)
+        for (int h = 0; h < H; ++h)
+            for (int qk = 0; qk < 2; ++qk) {
+                const uint16_t* x = &qkv[(size_t)t * ld + qk * H * 128 + h * 128];
+                const double* gy = &drot[(((size_t)t * H + h) * 2 + qk) * 128];
+                int pos = paired ? 2 * t + (h & 1) : t;
+                double dn[128], ss = 0, dot = 0;
+                for (int i = 0; i < 64; ++i) {
+                    double c, s;
+                    cs(pos, i, c, s);
+                    dn[2 * i] = c * gy[2 * i] - s * gy[2 * i + 1];
+                    dn[2 * i + 1] = s * gy[2 * i] + c * gy[2 * i + 1];
+                }
+                for (int d = 0; d < 128; ++d) {
+                    double v = bf16_to_float(x[d]);
+                    ss += v * v, dot += dn[d] * v;
+                }
+                double r = 1 / std::sqrt(ss / 128 + p.eps);
+                for (int d = 0; d < 128; ++d)
+                    dqkv_ref[(size_t)t * ld + qk * H * 128 + h * 128 + d] = r * (dn[d] - bf16_to_float(x[d]) * r * r * dot / 128);
+            }
+    DeviceArray<uint16_t> dqkv_in(qkv), dq_out((size_t)T * H * 128), dk_out((size_t)T * H * 128), ddq(dq), ddk(dk),
+        dqkv((size_t)T * ld);
+    dq_out.poison(), dk_out.poison(), dqkv.poison();
+    auto bf = [](uint16_t* x) { return reinterpret_cast<__nv_bfloat16*>(x); };
+    p.qkv = bf(dqkv_in.ptr), p.q = bf(dq_out.ptr), p.k = bf(dk_out.ptr), p.dq = bf(ddq.ptr), p.dk = bf(ddk.ptr);
+    p.dqkv = bf(dqkv.ptr);
+    CUDA_CHECK(qk_norm_rope_forward(p, 0));
+    CUDA_CHECK(qk_norm_rope_backward(p, 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    auto widen = [](const std::vector<uint16_t>& v) {
+        std::vector<double> o(v.size());
+        for (size_t i = 0; i < v.size(); ++i) o[i] = bf16_to_float(v[i]);
+        return o;
+    };
+    std::vector<double> g = widen(dqkv.download()), gsel, rsel;
+    for (int t = 0; t < T; ++t)  // the q and k columns (v's are not written)
+        for (int c = 0; c < 2 * H * 128; ++c) gsel.push_back(g[(size_t)t * ld + c]), rsel.push_back(dqkv_ref[(size_t)t * ld + c]);
+    double eq = rel_err_d(widen(dq_out.download()), q_ref), ek = rel_err_d(widen(dk_out.download()), k_ref),
+           eg = rel_err_d(gsel, rsel);
+    printf("  qk norm + rotary T %4d %s%s  rel err: q %.1e k %.1e dqk %.1e\n", T, paired ? "paired" : "6 head",
+           key_offset ? " key offset" : "", eq, ek, eg);
+    CHECK(eq < 1e-2 && ek < 1e-2 && eg < 1e-2, "qk norm + rotary differs from the fp64 reference (%.2e %.2e %.2e)", eq, ek, eg);
+}
+
 static void test_model_kernels() {
+    relu2_case(8 * 1000 + 8 * 37, 20);
+    fp8_cast_case(48, 80, false, false, 100.f / 448, 21);
+    fp8_cast_case(96, 160, false, true, 1.6f / 448, 22);
+    fp8_cast_case(80, 4112, true, true, 0.75f / 448, 23);
+    fp8_cast_case(16, 768, true, false, 0.75f / 448, 24);
+    qkrope_case(77, false, false, 25);
+    qkrope_case(64, false, true, 26);
+    qkrope_case(33, true, false, 27);
     ce_case("train, 3 MTP weights", 37, 1000, {1.f, 0.5f, 0.125f}, true, 1);
     ce_case("train, 2 MTP weights", 20, 50304, {1.f, 0.25f}, true, 2);
     ce_case("train, 1 weight", 9, 4104, {1.f}, true, 3);
