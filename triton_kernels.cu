@@ -57,6 +57,15 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs_nmajor(float* d, const uint3
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// Lets a kernel use more than 48 KB of dynamic shared memory (once: `done` remembers).
+template <typename Kernel>
+inline cudaError_t allow_smem(Kernel kernel, int bytes, bool& done) {
+    if (done) return cudaSuccess;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    done = e == cudaSuccess;
+    return e;
+}
+
 // 16-byte async copy global -> shared; src_bytes 0 fills the 16 bytes with zeros
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
@@ -244,6 +253,20 @@ __device__ __forceinline__ bool visible(int i, int j, int s1, int window) {
     return j <= i && i - j <= window && i < s1 && j < s1;
 }
 
+// The key tiles the query tile [q0, q0 + 64) of sequence [s0, s1) sees: nblocks from kb_first
+// (tiles aligned to the sequence start).
+__device__ __forceinline__ void key_blocks(const Params& p, int s0, int s1, int q0, int& kb_first, int& nblocks) {
+    const int q_end = min(q0 + BLOCK, s1);
+    const int k_lo = max(s0, q0 - p.window);
+    kb_first = s0 + (k_lo - s0) / BLOCK * BLOCK;
+    nblocks = (q_end - kb_first + BLOCK - 1) / BLOCK;
+}
+// whether some (query, key) pair of the tiles is not visible: past the diagonal, out of the
+// window, or a key past the sequence end
+__device__ __forceinline__ bool key_tile_needs_mask(const Params& p, int q0, int k0, int s1) {
+    return k0 + BLOCK - 1 > q0 || k0 < q0 + BLOCK - 1 - p.window || k0 + BLOCK > s1;
+}
+
 // ---- forward: one CTA per (64-query tile, head) ----
 __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* smem, int s0, int s1, int q0) {
     const int h = blockIdx.y;
@@ -253,10 +276,8 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* sm
     const __nv_bfloat16* kh = p.k + h * D;
     const __nv_bfloat16* vh = p.v + h * D;
 
-    const int q_end = min(q0 + BLOCK, s1);
-    const int k_lo = max(s0, q0 - p.window);
-    const int kb_first = s0 + (k_lo - s0) / BLOCK * BLOCK;
-    const int nblocks = (q_end - kb_first + BLOCK - 1) / BLOCK;
+    int kb_first, nblocks;
+    key_blocks(p, s0, s1, q0, kb_first, nblocks);
 
     load_tile(sQ, qh, p.q_stride, q0, s1);
     load_tile(sK, kh, p.k_stride, kb_first, s1);
@@ -284,7 +305,7 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* sm
         float s[8][4] = {};
         gemm_abt(s, sQ, kt);
 
-        const bool need_mask = k0 + BLOCK - 1 > q0 || k0 < q0 + BLOCK - 1 - p.window || k0 + BLOCK > s1;
+        const bool need_mask = key_tile_needs_mask(p, q0, k0, s1);
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
@@ -469,10 +490,8 @@ __device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, unsigned char*
     const __nv_bfloat16* kh = p.k + h * D;
     const __nv_bfloat16* vh = p.v + h * D;
 
-    const int q_end = min(q0 + BLOCK, s1);
-    const int k_lo = max(s0, q0 - p.window);
-    const int kb_first = s0 + (k_lo - s0) / BLOCK * BLOCK;
-    const int nblocks = (q_end - kb_first + BLOCK - 1) / BLOCK;
+    int kb_first, nblocks;
+    key_blocks(p, s0, s1, q0, kb_first, nblocks);
 
     load_tile(sQ, p.q + h * D, p.q_stride, q0, s1);
     load_tile(sO, p.dout + h * D, p.dout_stride, q0, s1);
@@ -505,7 +524,7 @@ __device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, unsigned char*
         }
         float s[8][4] = {};
         gemm_abt(s, sQ, kt);
-        const bool need_mask = k0 + BLOCK - 1 > q0 || k0 < q0 + BLOCK - 1 - p.window || k0 + BLOCK > s1;
+        const bool need_mask = key_tile_needs_mask(p, q0, k0, s1);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -567,11 +586,7 @@ inline size_t attention_tiles_bytes(int positions, int cu_len) {
 // Forward: out and lse from q, k, v; writes the tile schedule to p.tiles. Returns the launch error.
 inline cudaError_t attention_forward(const attn::Params& p, cudaStream_t stream) {
     static bool configured = false;
-    if (!configured) {
-        cudaError_t e = cudaFuncSetAttribute(attn::attn_fwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, attn::FWD_SMEM);
-        if (e != cudaSuccess) return e;
-        configured = true;
-    }
+    if (cudaError_t e = tk::allow_smem(attn::attn_fwd_kernel, attn::FWD_SMEM, configured)) return e;
     attn::attn_schedule_kernel<<<1, 1024, 0, stream>>>(p);
     attn::attn_fwd_kernel<<<dim3(attn::max_tiles(p.positions, p.cu_len), p.heads), attn::THREADS, attn::FWD_SMEM, stream>>>(p);
     return cudaGetLastError();
@@ -581,11 +596,7 @@ inline cudaError_t attention_forward(const attn::Params& p, cudaStream_t stream)
 // the same cu_seqlens and window left them (p.delta: a heads x positions fp32 workspace).
 inline cudaError_t attention_backward(const attn::Params& p, cudaStream_t stream) {
     static bool configured = false;
-    if (!configured) {
-        cudaError_t e = cudaFuncSetAttribute(attn::attn_bwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, attn::BWD_SMEM);
-        if (e != cudaSuccess) return e;
-        configured = true;
-    }
+    if (cudaError_t e = tk::allow_smem(attn::attn_bwd_kernel, attn::BWD_SMEM, configured)) return e;
     const int64_t warps = (int64_t)p.positions * p.heads;
     attn::attn_bwd_delta_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, stream>>>(p);
     attn::attn_bwd_kernel<<<dim3(2 * attn::max_tiles(p.positions, p.cu_len), p.heads), attn::THREADS, attn::BWD_SMEM, stream>>>(p);
