@@ -79,6 +79,22 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// 8 bf16 (one 16-byte access) to and from fp32
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float f[8]) {
+    uint4 u = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        float2 t = __bfloat1622float2(h[k]);
+        f[2 * k] = t.x, f[2 * k + 1] = t.y;
+    }
+}
+__device__ __forceinline__ void store8(__nv_bfloat16* p, const float f[8]) {
+    uint4 u;
+    u.x = pack_bf16(f[0], f[1]), u.y = pack_bf16(f[2], f[3]), u.z = pack_bf16(f[4], f[5]), u.w = pack_bf16(f[6], f[7]);
+    *reinterpret_cast<uint4*>(p) = u;
+}
+
 }  // namespace tk
 
 // -----------------------------------------------------------------------------
@@ -656,13 +672,10 @@ __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) 
     const int nvec = p.vocab / 8;
     float sum = 0.f;
     for (int v = threadIdx.x; v < nvec; v += THREADS) {
-        uint4 u = *reinterpret_cast<const uint4*>(x + v * 8);
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+        float f[8];
+        tk::load8(x + v * 8, f);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            float2 f = __bfloat1622float2(h[k]);
-            sum += __expf(softcap(p, f.x)) + __expf(softcap(p, f.y));
-        }
+        for (int e = 0; e < 8; ++e) sum += __expf(softcap(p, f[e]));
     }
     int tgt[MAX_PREDICT];
     float wsum = 0.f, zt[MAX_PREDICT];
@@ -686,27 +699,19 @@ __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) 
     __nv_bfloat16* g = p.grad + (int64_t)row * p.ld_grad;
     const float inv_c = 1.f / p.c, inv_a = 1.f / p.a;
     for (int v = threadIdx.x; v < nvec; v += THREADS) {
-        uint4 u = *reinterpret_cast<const uint4*>(x + v * 8);
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-        uint4 out;
-        uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+        float f[8];
+        tk::load8(x + v * 8, f);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            float2 f = __bfloat1622float2(h[k]);
-            float r[2];
+        for (int e = 0; e < 8; ++e) {
+            const int col = v * 8 + e;
+            const float z = softcap(p, f[e]);
+            float dz = wsum * __expf(z - lse);
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int col = v * 8 + 2 * k + e;
-                const float z = softcap(p, e ? f.y : f.x);
-                float dz = wsum * __expf(z - lse);
-#pragma unroll
-                for (int t = 0; t < MAX_PREDICT; ++t)
-                    if (col == tgt[t]) dz -= p.w[t];
-                r[e] = p.grad_scale * dz * z * (1.f - z * inv_a) * inv_c;
-            }
-            o[k] = tk::pack_bf16(r[0], r[1]);
+            for (int t = 0; t < MAX_PREDICT; ++t)
+                if (col == tgt[t]) dz -= p.w[t];
+            f[e] = p.grad_scale * dz * z * (1.f - z * inv_a) * inv_c;
         }
-        *reinterpret_cast<uint4*>(g + v * 8) = out;
+        tk::store8(g + v * 8, f);
     }
 }
 
@@ -737,14 +742,9 @@ __global__ void fwd_kernel(const __nv_bfloat16* x, int64_t ldx, __nv_bfloat16* y
     float ss = 0.f;
 #pragma unroll
     for (int v = 0; v < V; ++v) {
-        uint4 u = *reinterpret_cast<const uint4*>(x + row * ldx + (v * 32 + lane) * 8);
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+        tk::load8(x + row * ldx + (v * 32 + lane) * 8, f[v]);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            float2 t = __bfloat1622float2(h[k]);
-            f[v][2 * k] = t.x, f[v][2 * k + 1] = t.y;
-            ss += t.x * t.x + t.y * t.y;
-        }
+        for (int e = 0; e < 8; ++e) ss += f[v][e] * f[v][e];
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
@@ -752,11 +752,9 @@ __global__ void fwd_kernel(const __nv_bfloat16* x, int64_t ldx, __nv_bfloat16* y
     if (rstd && lane == 0) rstd[row] = r;
 #pragma unroll
     for (int v = 0; v < V; ++v) {
-        uint4 out;
-        uint32_t* o = reinterpret_cast<uint32_t*>(&out);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) o[k] = tk::pack_bf16(f[v][2 * k] * r, f[v][2 * k + 1] * r);
-        *reinterpret_cast<uint4*>(y + row * ldy + (v * 32 + lane) * 8) = out;
+        for (int e = 0; e < 8; ++e) f[v][e] *= r;
+        tk::store8(y + row * ldy + (v * 32 + lane) * 8, f[v]);
     }
 }
 
@@ -770,28 +768,19 @@ __global__ void bwd_kernel(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloa
     float dot = 0.f;
 #pragma unroll
     for (int v = 0; v < V; ++v) {
-        uint4 ux = *reinterpret_cast<const uint4*>(x + row * ldx + (v * 32 + lane) * 8);
-        uint4 ug = *reinterpret_cast<const uint4*>(dy + row * lddy + (v * 32 + lane) * 8);
-        const __nv_bfloat162* hx = reinterpret_cast<const __nv_bfloat162*>(&ux);
-        const __nv_bfloat162* hg = reinterpret_cast<const __nv_bfloat162*>(&ug);
+        tk::load8(x + row * ldx + (v * 32 + lane) * 8, fx[v]);
+        tk::load8(dy + row * lddy + (v * 32 + lane) * 8, fg[v]);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            float2 a = __bfloat1622float2(hx[k]), b = __bfloat1622float2(hg[k]);
-            fx[v][2 * k] = a.x, fx[v][2 * k + 1] = a.y, fg[v][2 * k] = b.x, fg[v][2 * k + 1] = b.y;
-            dot += a.x * b.x + a.y * b.y;
-        }
+        for (int e = 0; e < 8; ++e) dot += fx[v][e] * fg[v][e];
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
     const float r = rstd[row], c = r * r * dot / DIM;
 #pragma unroll
     for (int v = 0; v < V; ++v) {
-        uint4 out;
-        uint32_t* o = reinterpret_cast<uint32_t*>(&out);
 #pragma unroll
-        for (int k = 0; k < 4; ++k)
-            o[k] = tk::pack_bf16(r * (fg[v][2 * k] - fx[v][2 * k] * c), r * (fg[v][2 * k + 1] - fx[v][2 * k + 1] * c));
-        *reinterpret_cast<uint4*>(dx + row * lddx + (v * 32 + lane) * 8) = out;
+        for (int e = 0; e < 8; ++e) fg[v][e] = r * (fg[v][e] - fx[v][e] * c);
+        tk::store8(dx + row * lddx + (v * 32 + lane) * 8, fg[v]);
     }
 }
 
@@ -827,33 +816,22 @@ namespace relu2 {
 
 __global__ void fwd_kernel(const __nv_bfloat16* pre, __nv_bfloat16* post, int64_t n8) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8; i += (int64_t)gridDim.x * blockDim.x) {
-        uint4 u = reinterpret_cast<const uint4*>(pre)[i];
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-        uint4 out;
-        uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+        float f[8];
+        tk::load8(pre + i * 8, f);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            float2 f = __bfloat1622float2(h[k]);
-            float a = fmaxf(f.x, 0.f), b = fmaxf(f.y, 0.f);
-            o[k] = tk::pack_bf16(a * a, b * b);
-        }
-        reinterpret_cast<uint4*>(post)[i] = out;
+        for (int e = 0; e < 8; ++e) f[e] = fmaxf(f[e], 0.f) * fmaxf(f[e], 0.f);
+        tk::store8(post + i * 8, f);
     }
 }
 
 __global__ void bwd_kernel(const __nv_bfloat16* pre, const __nv_bfloat16* dpost, __nv_bfloat16* dpre, int64_t n8) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8; i += (int64_t)gridDim.x * blockDim.x) {
-        uint4 u = reinterpret_cast<const uint4*>(pre)[i], g = reinterpret_cast<const uint4*>(dpost)[i];
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-        const __nv_bfloat162* gh = reinterpret_cast<const __nv_bfloat162*>(&g);
-        uint4 out;
-        uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+        float f[8], d[8];
+        tk::load8(pre + i * 8, f);
+        tk::load8(dpost + i * 8, d);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            float2 f = __bfloat1622float2(h[k]), d = __bfloat1622float2(gh[k]);
-            o[k] = tk::pack_bf16(2.f * d.x * fmaxf(f.x, 0.f), 2.f * d.y * fmaxf(f.y, 0.f));
-        }
-        reinterpret_cast<uint4*>(dpre)[i] = out;
+        for (int e = 0; e < 8; ++e) d[e] = 2.f * d[e] * fmaxf(f[e], 0.f);
+        tk::store8(dpre + i * 8, d);
     }
 }
 
@@ -894,16 +872,12 @@ __global__ void cast_kernel(const __nv_bfloat16* src, int64_t lds, uint8_t* dst,
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (int64_t)rows * c8;
          i += (int64_t)gridDim.x * blockDim.x) {
         const int r = (int)(i / c8), c = (int)(i % c8) * 8;
-        uint4 u = *reinterpret_cast<const uint4*>(src + r * lds + c);
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+        float f[8];
+        tk::load8(src + r * lds + c, f);
         uint2 out;
         uint8_t* o = reinterpret_cast<uint8_t*>(&out);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            float2 f = __bfloat1622float2(h[k]);
-            o[2 * k] = to_fp8<E5M2>(f.x * inv_scale);
-            o[2 * k + 1] = to_fp8<E5M2>(f.y * inv_scale);
-        }
+        for (int e = 0; e < 8; ++e) o[e] = to_fp8<E5M2>(f[e] * inv_scale);
         *reinterpret_cast<uint2*>(dst + r * ldd + c) = out;
     }
 }
@@ -920,14 +894,10 @@ __global__ void cast_transpose_kernel(const __nv_bfloat16* src, int64_t lds, uin
     for (int pass = 0; pass < 2; ++pass) {
         const int r = pass * 32 + t / 8, c = (t % 8) * 8;
         if (r0 + r < rows && c0 + c < cols) {
-            uint4 u = *reinterpret_cast<const uint4*>(src + (int64_t)(r0 + r) * lds + c0 + c);
-            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+            float f[8];
+            tk::load8(src + (int64_t)(r0 + r) * lds + c0 + c, f);
 #pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                float2 f = __bfloat1622float2(h[k]);
-                tile[c + 2 * k][r] = to_fp8<E5M2>(f.x * inv_scale);
-                tile[c + 2 * k + 1][r] = to_fp8<E5M2>(f.y * inv_scale);
-            }
+            for (int e = 0; e < 8; ++e) tile[c + e][r] = to_fp8<E5M2>(f[e] * inv_scale);
         }
     }
     __syncthreads();
@@ -1018,75 +988,88 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 __device__ __forceinline__ bool shifted_lane(int lane) { return (lane >= 8 && lane < 16) || lane >= 24; }
 
-__global__ void fwd_kernel(const Params p) {
+// this warp's row: token t, head h, q or k; false past the last
+struct Row {
+    bool is_k;
+    int t, h, pos;    // pos: the rotary position
+    int64_t col;      // the row's first column in the QKV projection
+    int64_t out;      // its first element in q or k (tokens x heads x 128), this lane's part
+};
+__device__ __forceinline__ bool row_of(const Params& p, Row& r) {
     const int64_t w = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (w >= (int64_t)p.tokens * p.heads * 2) return false;
+    r.is_k = w & 1;
+    r.t = (int)(w / 2 / p.heads), r.h = (int)(w / 2 % p.heads);
+    r.pos = p.paired ? 2 * r.t + (r.h & 1) : r.t;
+    r.col = (r.is_k ? p.heads * 128 : 0) + r.h * 128 + (threadIdx.x & 31) * 4;
+    r.out = ((int64_t)r.t * p.heads + r.h) * 128 + (threadIdx.x & 31) * 4;
+    return true;
+}
+// 1 / rms of the 128-vector whose 4 values per lane are x
+__device__ __forceinline__ float inv_rms(const Params& p, const float x[4]) {
+    return rsqrtf(warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) / 128.f + p.eps);
+}
+
+__global__ void fwd_kernel(const Params p) {
+    Row w;
+    if (!row_of(p, w)) return;
     const int lane = threadIdx.x & 31;
-    if (w >= (int64_t)p.tokens * p.heads * 2) return;
-    const bool is_k = w & 1;
-    const int t = (int)(w / 2 / p.heads), h = (int)(w / 2 % p.heads);
     float x[4];
-    load4(p.qkv + t * p.ld + (is_k ? p.heads * 128 : 0) + h * 128 + lane * 4, x);
-    const float r = rsqrtf(warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) / 128.f + p.eps);
-    const int pos = p.paired ? 2 * t + (h & 1) : t;
+    load4(p.qkv + w.t * p.ld + w.col, x);
+    const float r = inv_rms(p, x);
     float y[4];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
         float c, s;
-        rot(p, pos, lane * 2 + j, c, s);
+        rot(p, w.pos, lane * 2 + j, c, s);
         const float a = x[2 * j] * r, b = x[2 * j + 1] * r;
         y[2 * j] = c * a + s * b;
         y[2 * j + 1] = c * b - s * a;
     }
-    __nv_bfloat16* out = is_k ? p.k : p.q;
-    const int64_t row = ((int64_t)t * p.heads + h) * 128 + lane * 4;
-    if (!(is_k && p.key_offset && shifted_lane(lane))) {
-        store4(out + row, y);
+    __nv_bfloat16* out = (w.is_k ? p.k : p.q) + w.out;
+    if (!(w.is_k && p.key_offset && shifted_lane(lane))) {
+        store4(out, y);
     } else {  // shifted dims go to the next token; token 0 keeps its own
-        if (t + 1 < p.tokens) store4(out + row + (int64_t)p.heads * 128, y);
-        if (t == 0) store4(out + row, y);
+        if (w.t + 1 < p.tokens) store4(out + (int64_t)p.heads * 128, y);
+        if (w.t == 0) store4(out, y);
     }
 }
 
 __global__ void bwd_kernel(const Params p) {
-    const int64_t w = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    Row w;
+    if (!row_of(p, w)) return;
     const int lane = threadIdx.x & 31;
-    if (w >= (int64_t)p.tokens * p.heads * 2) return;
-    const bool is_k = w & 1;
-    const int t = (int)(w / 2 / p.heads), h = (int)(w / 2 % p.heads);
-    const int64_t row = ((int64_t)t * p.heads + h) * 128 + lane * 4;
-    const __nv_bfloat16* g = is_k ? p.dk : p.dq;
+    const __nv_bfloat16* g = (w.is_k ? p.dk : p.dq) + w.out;
     float dy[4] = {0.f, 0.f, 0.f, 0.f};
-    if (!(is_k && p.key_offset && shifted_lane(lane))) {
-        load4(g + row, dy);
+    if (!(w.is_k && p.key_offset && shifted_lane(lane))) {
+        load4(g, dy);
     } else {  // this token's shifted dims reached the next token (and itself, for token 0)
-        if (t + 1 < p.tokens) load4(g + row + (int64_t)p.heads * 128, dy);
-        if (t == 0) {
+        if (w.t + 1 < p.tokens) load4(g + (int64_t)p.heads * 128, dy);
+        if (w.t == 0) {
             float own[4];
-            load4(g + row, own);
+            load4(g, own);
 #pragma unroll
             for (int e = 0; e < 4; ++e) dy[e] += own[e];
         }
     }
     // through the rotation (its transpose), then the norm
-    const int pos = p.paired ? 2 * t + (h & 1) : t;
     float dn[4];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
         float c, s;
-        rot(p, pos, lane * 2 + j, c, s);
+        rot(p, w.pos, lane * 2 + j, c, s);
         dn[2 * j] = c * dy[2 * j] - s * dy[2 * j + 1];
         dn[2 * j + 1] = s * dy[2 * j] + c * dy[2 * j + 1];
     }
-    const int64_t col = (is_k ? p.heads * 128 : 0) + h * 128 + lane * 4;
     float x[4];
-    load4(p.qkv + t * p.ld + col, x);
-    const float r = rsqrtf(warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) / 128.f + p.eps);
+    load4(p.qkv + w.t * p.ld + w.col, x);
+    const float r = inv_rms(p, x);
     const float dot = warp_sum(dn[0] * x[0] + dn[1] * x[1] + dn[2] * x[2] + dn[3] * x[3]);
     const float cc = r * r * dot / 128.f;
     float dx[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) dx[e] = r * (dn[e] - x[e] * cc);
-    store4(p.dqkv + t * p.ld_grad + col, dx);
+    store4(p.dqkv + w.t * p.ld_grad + w.col, dx);
 }
 
 }  // namespace qkrope
