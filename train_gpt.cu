@@ -578,6 +578,157 @@ class Gemms {
 };
 
 // -----------------------------------------------------------------------------
+// Optimizer (NorMuonAndAdam): one optimizer configured per parameter by a table, no parameter
+// groups (record 61). This part is the table, the model's parameter banks, and how each is sharded
+// over the ranks; the update kernels and the communication come with the optimizer itself.
+
+enum class Optim { Adam, NorMuon };
+enum class Comms { None, Replicated, Sharded };  // None: world size 1, no communication at all
+
+struct ParamTableEntry {
+    const char* label;
+    Optim optim;
+    Comms comms;
+    double beta1, beta2;  // Adam betas
+    double lr_mul, wd_mul;
+};
+
+// Reduces are launched in this order (scatter_order).
+static const ParamTableEntry param_table[] = {
+    {"attn", Optim::NorMuon, Comms::Sharded, 0, 0, 1.0, 1.0},
+    {"mlp", Optim::NorMuon, Comms::Sharded, 0, 0, 1.0, 1.0},
+    {"scalars", Optim::Adam, Comms::Replicated, 0.9, 0.99, 5.0, 0.0},
+    {"ve0", Optim::Adam, Comms::Sharded, 0.75, 0.95, 75.0, 5.0},
+    {"ve1", Optim::Adam, Comms::Sharded, 0.75, 0.95, 75.0, 5.0},
+    {"ve2", Optim::Adam, Comms::Sharded, 0.75, 0.95, 75.0, 5.0},
+    {"smear_gate", Optim::Adam, Comms::Replicated, 0.9, 0.99, 0.01, 0.0},
+    {"skip_gate", Optim::Adam, Comms::Replicated, 0.9, 0.99, 0.05, 0.0},
+    {"attn_gate_bank", Optim::Adam, Comms::Replicated, 0.9, 0.99, 1.0, 1.0},
+    {"ve_gate_bank", Optim::Adam, Comms::Replicated, 0.9, 0.99, 1.0, 1.0},
+    {"x0_lambdas", Optim::Adam, Comms::Replicated, 0.65, 0.95, 5.0, 0.0},
+    {"lm_head", Optim::Adam, Comms::Sharded, 0.5, 0.95, 1.0, 150.0},
+    {"embed", Optim::Adam, Comms::Sharded, 0.5, 0.95, 1.0, 150.0},
+};
+
+// Updates run in this order: small parameters while the large reduces finish, lm_head before
+// embed (embed is lm_head^T while tied), the banks (Polar Express) last to overlap the most.
+static const char* const work_order[] = {"scalars", "smear_gate", "skip_gate", "attn_gate_bank", "ve_gate_bank",
+                                         "x0_lambdas", "ve0", "ve1", "ve2", "lm_head", "embed", "attn", "mlp"};
+
+struct ParamShape {
+    std::string label;
+    std::vector<int64_t> shape;    // as stored, row-major
+    std::vector<int64_t> reshape;  // NorMuon: the bank as (matrices, rows, cols)
+    bool fp32 = false;             // else bf16
+    int64_t numel() const {
+        int64_t n = 1;
+        for (int64_t d : shape) n *= d;
+        return n;
+    }
+};
+
+// The record-61 parameters, banks in one allocation each (@chrisjmccormick's parameter banks).
+// scalars: resid lambdas (11), sa lambdas (2 x 11), smear, backout, skip lambdas, padded with ones
+// to a multiple of the world size so it can be reduced evenly.
+static std::vector<ParamShape> model_params(int world_size) {
+    const int64_t attn_layers = NUM_LAYERS - 1;    // layer 6 has no attention
+    const int64_t mlp_banked = NUM_LAYERS + 1;     // slot 11 pads the bank to 24 matrices
+    const int64_t n_scalars = 3 * NUM_LAYERS + 3;
+    const int64_t pad = (world_size - n_scalars % world_size) % world_size;
+    return {
+        {"attn", {attn_layers, 4 * MODEL_DIM, MODEL_DIM}, {attn_layers * 4, MODEL_DIM, MODEL_DIM}},
+        {"mlp", {mlp_banked, 2, 4 * MODEL_DIM, MODEL_DIM}, {mlp_banked * 2, 4 * MODEL_DIM, MODEL_DIM}},
+        {"scalars", {n_scalars + pad}, {}, true},
+        {"ve0", {PADDED_VOCAB_SIZE, MODEL_DIM}, {}},
+        {"ve1", {PADDED_VOCAB_SIZE, MODEL_DIM}, {}},
+        {"ve2", {PADDED_VOCAB_SIZE, MODEL_DIM}, {}},
+        {"smear_gate", {1, 12}, {}},
+        {"skip_gate", {1, 12}, {}},
+        {"attn_gate_bank", {attn_layers, NUM_HEADS, 12}, {}},
+        {"ve_gate_bank", {5, NUM_HEADS, 12}, {}},
+        {"x0_lambdas", {NUM_LAYERS}, {}, true},
+        {"lm_head", {MODEL_DIM, PADDED_VOCAB_SIZE}, {}},  // transposed: (in, out) (@ChrisJMcCormick)
+        {"embed", {PADDED_VOCAB_SIZE, MODEL_DIM}, {}},
+    };
+}
+
+// One parameter's resolved optimizer configuration on one rank.
+struct ParamConfig {
+    std::string label;
+    Optim optim;
+    Comms comms;
+    double beta1 = 0, beta2 = 0;        // Adam
+    double lr_mul = 1, wd_mul = 1;      // NorMuon: lr_mul includes the shape multiplier
+    double initial_lr = 0, weight_decay = 0, eps = 0;
+    int64_t chunk_size = 0;             // rows of dim 0 (Adam) or matrices (NorMuon) this rank updates
+    std::vector<int64_t> chunk_shape;   // the shard this rank updates
+    std::vector<int64_t> second_moment_shape;  // NorMuon: reduced along the longer matrix side
+    double momentum = 0, normuon_beta2 = 0;
+    std::vector<double> per_matrix_lr_mul;     // NorMuon mlp: 2x on the c_proj matrices (odd indices)
+    int64_t chunk_numel() const {
+        int64_t n = 1;
+        for (int64_t d : chunk_shape) n *= d;
+        return n;
+    }
+};
+
+static const ParamTableEntry& table_entry(const std::string& label) {
+    for (const ParamTableEntry& e : param_table)
+        if (label == e.label) return e;
+    fail("parameter '" + label + "' has no entry in param_table");
+}
+
+static std::vector<ParamConfig> build_param_configs(const Hyperparameters& a, const std::vector<ParamShape>& params,
+                                                    int world_size, int rank) {
+    std::vector<ParamConfig> cfgs;
+    for (const ParamShape& ps : params) {
+        for (const ParamConfig& c : cfgs)
+            if (c.label == ps.label) fail("parameter '" + ps.label + "' appears twice");
+        const ParamTableEntry& e = table_entry(ps.label);
+        ParamConfig c;
+        c.label = ps.label;
+        c.optim = e.optim;
+        c.comms = world_size == 1 ? Comms::None : e.comms;
+        c.lr_mul = e.lr_mul;
+        c.wd_mul = e.wd_mul;
+        const bool sharded = e.comms == Comms::Sharded;
+        if (e.optim == Optim::Adam) {
+            c.beta1 = e.beta1, c.beta2 = e.beta2;
+            c.initial_lr = a.adam_lr, c.weight_decay = a.adam_weight_decay, c.eps = a.adam_eps;
+            if (sharded && ps.shape[0] % world_size != 0)
+                fail(strprintf("parameter '%s': %lld rows do not shard over %d ranks", ps.label.c_str(),
+                               (long long)ps.shape[0], world_size));
+            c.chunk_size = sharded ? ps.shape[0] / world_size : ps.shape[0];
+            c.chunk_shape = ps.shape;
+            c.chunk_shape[0] = c.chunk_size;
+        } else {
+            if (ps.reshape.size() != 3) fail("NorMuon parameter '" + ps.label + "' needs a (matrices, rows, cols) reshape");
+            if (ps.reshape[0] % world_size != 0)
+                fail(strprintf("parameter '%s': %lld matrices do not shard over %d ranks", ps.label.c_str(),
+                               (long long)ps.reshape[0], world_size));
+            c.chunk_size = ps.reshape[0] / world_size;
+            c.chunk_shape = {c.chunk_size, ps.reshape[1], ps.reshape[2]};
+            const int64_t rows = ps.reshape[1], cols = ps.reshape[2];
+            c.lr_mul *= std::sqrt(std::max(1.0, (double)rows / (double)cols));
+            c.second_moment_shape = rows >= cols ? std::vector<int64_t>{c.chunk_size, rows, 1}
+                                                 : std::vector<int64_t>{c.chunk_size, 1, cols};
+            c.initial_lr = a.normuon_lr, c.weight_decay = a.normuon_weight_decay;
+            c.momentum = a.momentum_max, c.normuon_beta2 = a.normuon_beta2;
+            if (ps.label == "mlp")
+                for (int64_t i = 0; i < c.chunk_size; ++i)
+                    c.per_matrix_lr_mul.push_back((rank * c.chunk_size + i) % 2 == 1 ? 2.0 : 1.0);
+        }
+        cfgs.push_back(c);
+    }
+    for (const ParamTableEntry& e : param_table)
+        if (std::none_of(cfgs.begin(), cfgs.end(), [&](const ParamConfig& c) { return c.label == e.label; }))
+            fail(std::string("param_table entry '") + e.label + "' matches no parameter");
+    for (const char* label : work_order) table_entry(label);
+    if (std::size(work_order) != std::size(param_table)) fail("work_order must name every parameter exactly once");
+    return cfgs;
+}
+
+// -----------------------------------------------------------------------------
 // Training Management: the schedules of record 61, as pure functions of the step.
 
 // batch size schedule by equal parts of the scheduled steps, then the extension batch
@@ -1280,6 +1431,22 @@ static std::string configuration_text(Hyperparameters& a, int world_size, const 
         scales += "," + format_double(y.attn_scale);
     }
     s += "yarn_attn_scales = " + scales + "\n";
+    // the optimizer's view of every parameter (rank 0's shard)
+    auto dims = [](const std::vector<int64_t>& v) {
+        std::string r;
+        for (int64_t x : v) r += (r.empty() ? "" : "x") + std::to_string(x);
+        return r;
+    };
+    const char* comms_names[] = {"none", "replicated", "sharded"};
+    const std::vector<ParamShape> params = model_params(world_size);
+    for (const ParamConfig& c : build_param_configs(a, params, world_size, 0)) {
+        const ParamShape& ps = *std::find_if(params.begin(), params.end(), [&](const ParamShape& p) { return p.label == c.label; });
+        s += strprintf("param %s = %s %s, %s %s, shard %s, lr_mul %s, wd_mul %s", c.label.c_str(), ps.fp32 ? "fp32" : "bf16",
+                       dims(ps.shape).c_str(), c.optim == Optim::Adam ? "adam" : "normuon", comms_names[(int)c.comms],
+                       dims(c.chunk_shape).c_str(), format_double(c.lr_mul).c_str(), format_double(c.wd_mul).c_str());
+        if (c.optim == Optim::Adam) s += strprintf(", betas %s,%s", format_double(c.beta1).c_str(), format_double(c.beta2).c_str());
+        s += "\n";
+    }
     s += "# end configuration\n";
     return s;
 }

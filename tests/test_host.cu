@@ -539,6 +539,84 @@ static void test_schedules() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// the optimizer's parameter table and sharding
+
+static const ParamConfig& cfg_of(const std::vector<ParamConfig>& cfgs, const std::string& label) {
+    for (const ParamConfig& c : cfgs)
+        if (c.label == label) return c;
+    fail("no config for " + label);
+}
+
+static void test_sharding() {
+    Hyperparameters a;
+    for (int world : {1, 2, 4, 8}) {
+        std::vector<ParamShape> params = model_params(world);
+        // scalars: 3 x 11 + 3 = 36 values, padded with ones to a multiple of the world size
+        const ParamShape& sc = params[2];
+        const int64_t want_scalars = world == 8 ? 40 : 36;
+        CHECK(sc.label == "scalars" && sc.fp32 && sc.shape == std::vector<int64_t>{want_scalars},
+              "scalars at world %d: %lld", world, (long long)sc.shape[0]);
+        int64_t total = 0;
+        for (const ParamShape& p : params) total += p.numel();
+        // 10x3072x768 + 12x2x3072x768 + 4 x 50304x768 + 768x50304 ... (exact count)
+        const int64_t expect = 10LL * 3072 * 768 + 12LL * 2 * 3072 * 768 + 5LL * 50304 * 768 + want_scalars + 12 + 12 +
+                               10 * 6 * 12 + 5 * 6 * 12 + 11;
+        CHECK(total == expect, "parameter count at world %d: %lld, want %lld", world, (long long)total, (long long)expect);
+        for (int rank = 0; rank < world; ++rank) {
+            std::vector<ParamConfig> cfgs = build_param_configs(a, params, world, rank);
+            CHECK(cfgs.size() == 13, "13 parameters");
+            for (const ParamConfig& c : cfgs) {
+                const ParamShape& ps = *std::find_if(params.begin(), params.end(), [&](const ParamShape& p) { return p.label == c.label; });
+                const bool sharded = table_entry(c.label).comms == Comms::Sharded;
+                CHECK(c.comms == (world == 1 ? Comms::None : table_entry(c.label).comms), "%s comms at world %d", c.label.c_str(), world);
+                // the shards of all ranks tile the parameter exactly
+                CHECK(c.chunk_numel() * (sharded ? world : 1) == ps.numel(), "%s: %lld x %d ranks != %lld", c.label.c_str(),
+                      (long long)c.chunk_numel(), world, (long long)ps.numel());
+            }
+            const ParamConfig& attn = cfg_of(cfgs, "attn");
+            const ParamConfig& mlp = cfg_of(cfgs, "mlp");
+            CHECK(attn.chunk_shape == (std::vector<int64_t>{40 / world, 768, 768}) && attn.lr_mul == 1.0 &&
+                      attn.second_moment_shape == (std::vector<int64_t>{40 / world, 768, 1}) && attn.per_matrix_lr_mul.empty(),
+                  "attn shard at world %d", world);
+            CHECK(mlp.chunk_shape == (std::vector<int64_t>{24 / world, 3072, 768}) && mlp.lr_mul == 2.0 &&
+                      mlp.second_moment_shape == (std::vector<int64_t>{24 / world, 3072, 1}),
+                  "mlp shard at world %d: shape multiplier sqrt(3072/768) = 2", world);
+            bool cproj = (int64_t)mlp.per_matrix_lr_mul.size() == 24 / world;
+            for (int64_t i = 0; i < (int64_t)mlp.per_matrix_lr_mul.size(); ++i)
+                cproj &= mlp.per_matrix_lr_mul[i] == ((rank * (24 / world) + i) % 2 ? 2.0 : 1.0);
+            CHECK(cproj, "mlp per-matrix lr (2x on c_proj = odd global index) at world %d rank %d", world, rank);
+            CHECK(cfg_of(cfgs, "ve1").chunk_shape == (std::vector<int64_t>{50304 / world, 768}), "ve shard");
+            CHECK(cfg_of(cfgs, "lm_head").chunk_shape == (std::vector<int64_t>{768 / world, 50304}), "lm_head shard");
+            CHECK(cfg_of(cfgs, "embed").chunk_shape == (std::vector<int64_t>{50304 / world, 768}), "embed shard");
+            CHECK(cfg_of(cfgs, "scalars").chunk_shape == (std::vector<int64_t>{want_scalars}), "scalars replicated");
+            const ParamConfig& ve = cfg_of(cfgs, "ve0");
+            CHECK(ve.beta1 == 0.75 && ve.beta2 == 0.95 && ve.lr_mul == 75.0 && ve.wd_mul == 5.0 && ve.initial_lr == 0.008 &&
+                      ve.eps == 1e-10 && ve.weight_decay == 0.005,
+                  "ve0 Adam settings");
+            CHECK(attn.initial_lr == 0.023 && attn.weight_decay == 1.2 && attn.momentum == 0.95 && attn.normuon_beta2 == 0.95,
+                  "NorMuon settings");
+        }
+    }
+    // a world size the banks cannot be sharded over
+    expect_error("unshardable world size", [&] { build_param_configs(a, model_params(3), 3, 0); }, {"attn", "3 ranks"});
+    std::vector<ParamShape> extra = model_params(2);
+    extra.push_back({"mystery", {4}, {}, true});
+    expect_error("unknown parameter", [&] { build_param_configs(a, extra, 2, 0); }, {"'mystery' has no entry in param_table"});
+    std::vector<ParamShape> missing = model_params(2);
+    missing.pop_back();
+    expect_error("parameter without table entry", [&] { build_param_configs(a, missing, 2, 0); }, {"'embed' matches no parameter"});
+    // scatter order is the table's; work order names each label once, lm_head before embed, banks last
+    std::vector<std::string> wo(std::begin(work_order), std::end(work_order));
+    std::vector<std::string> so;
+    for (const ParamTableEntry& e : param_table) so.push_back(e.label);
+    std::vector<std::string> a1 = wo, a2 = so;
+    std::sort(a1.begin(), a1.end()), std::sort(a2.begin(), a2.end());
+    CHECK(a1 == a2 && std::unique(a1.begin(), a1.end()) == a1.end(), "work_order and scatter_order hold the same labels once");
+    auto at = [&](const char* l) { return std::find(wo.begin(), wo.end(), l) - wo.begin(); };
+    CHECK(at("lm_head") < at("embed") && at("attn") >= 11 && at("mlp") >= 11, "work order: lm_head before embed, banks last");
+}
+
+// ---------------------------------------------------------------------------------------------
 // self-logging
 
 static void test_logging() {
@@ -681,6 +759,7 @@ int main(int argc, char** argv) {
                                                          {"schedules", test_schedules},
                                                          {"loader", test_loader},
                                                          {"bad input", test_bad_input},
+                                                         {"sharding", test_sharding},
                                                          {"logging", test_logging}};
     for (auto [name, fn] : groups) {
         int p = g_passed, f = g_failed;
