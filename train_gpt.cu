@@ -455,7 +455,17 @@ class Gemms {
               float beta = 0.f) {
         Key key{CUDA_R_16BF, CUDA_R_16BF, c_f32 ? CUDA_R_32F : CUDA_R_16BF, opa, opb, m, n, k, lda, ldb, ldc, false,
                 align(A), align(B), align(C)};
-        run(stream, key, A, B, C, alpha, beta, nullptr, nullptr);
+        run(stream, key, A, B, C, C, alpha, beta, nullptr, nullptr);
+    }
+
+    // A batch of bf16 products, matrix i at A + i*stride_a etc.: D = alpha op(A) op(B) + beta C,
+    // with C and D separate (bf16, same layout).
+    void bf16_batched(cudaStream_t stream, int batch, Op opa, Op opb, int m, int n, int k, const __nv_bfloat16* A,
+                      int64_t lda, int64_t stride_a, const __nv_bfloat16* B, int64_t ldb, int64_t stride_b,
+                      const __nv_bfloat16* C, __nv_bfloat16* D, int64_t ldc, int64_t stride_c, float alpha, float beta) {
+        Key key{CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF, opa, opb, m, n, k, lda, ldb, ldc, false,
+                align(A), align(B), std::min(align(C), align(D)), batch, stride_a, stride_b, stride_c};
+        run(stream, key, A, B, C, D, alpha, beta, nullptr, nullptr);
     }
 
     // C[m x n] = scale_a scale_b A[m x k] B[n x k]^T with fp8 A and B (each K-contiguous, as Hopper's
@@ -466,7 +476,7 @@ class Gemms {
              const float* scale_b, bool fast_accum, float beta = 0.f) {
         Key key{ta, tb, c_f32 ? CUDA_R_32F : CUDA_R_16BF, Op::N, Op::T, m, n, k, lda, ldb, ldc, fast_accum,
                 align(A), align(B), align(C)};
-        run(stream, key, A, B, C, 1.f, beta, scale_a, scale_b);
+        run(stream, key, A, B, C, C, 1.f, beta, scale_a, scale_b);
     }
 
     size_t cached_plans() const { return plans_.size(); }
@@ -479,8 +489,11 @@ class Gemms {
         int64_t lda, ldb, ldc;
         bool fast_accum;
         int align_a, align_b, align_c;
+        int batch = 1;
+        int64_t stride_a = 0, stride_b = 0, stride_c = 0;
         auto tie() const {
-            return std::tie(ta, tb, tc, opa, opb, m, n, k, lda, ldb, ldc, fast_accum, align_a, align_b, align_c);
+            return std::tie(ta, tb, tc, opa, opb, m, n, k, lda, ldb, ldc, fast_accum, align_a, align_b, align_c, batch,
+                            stride_a, stride_b, stride_c);
         }
         bool operator<(const Key& o) const { return tie() < o.tie(); }
     };
@@ -524,6 +537,13 @@ class Gemms {
         CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, key.ta, key.opa == Op::N ? key.k : key.m,
                                                 key.opa == Op::N ? key.m : key.k, key.lda));
         CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, key.tc, key.n, key.m, key.ldc));
+        if (key.batch > 1) {
+            const std::pair<cublasLtMatrixLayout_t, int64_t> layouts[] = {{p.a, key.stride_b}, {p.b, key.stride_a}, {p.c, key.stride_c}};
+            for (auto [layout, stride] : layouts) {
+                CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &key.batch, sizeof key.batch));
+                CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride));
+            }
+        }
         cublasLtMatmulPreference_t pref;
         CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
         CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -554,15 +574,15 @@ class Gemms {
 
     // The heuristic's first choice, or (once, on the first call) the next candidate where a
     // choice turns out not to run with these arguments.
-    void run(cudaStream_t stream, const Key& key, const void* A, const void* B, void* C, float alpha, float beta,
-             const float* scale_a, const float* scale_b) {
+    void run(cudaStream_t stream, const Key& key, const void* A, const void* B, const void* C, void* D, float alpha,
+             float beta, const float* scale_a, const float* scale_b) {
         Plan& p = plan(key);
         if (scale_a) {  // cuBLASLt's A is our B
             CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_b, sizeof scale_b));
             CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_a, sizeof scale_a));
         }
         while (true) {
-            cublasStatus_t st = cublasLtMatmul(lt_, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c,
+            cublasStatus_t st = cublasLtMatmul(lt_, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, D, p.c,
                                                &p.candidates.front(), workspace_, workspace_bytes_, stream);
             if (st == CUBLAS_STATUS_SUCCESS) return;
             if (st != CUBLAS_STATUS_NOT_SUPPORTED || p.candidates.size() == 1)
@@ -727,6 +747,68 @@ static std::vector<ParamConfig> build_param_configs(const Hyperparameters& a, co
     if (std::size(work_order) != std::size(param_table)) fail("work_order must name every parameter exactly once");
     return cfgs;
 }
+
+// Polar Express (Amsel, Persson, Musco, Gower, arXiv 2505.16932): 5 fixed iterations
+// X <- a X + (b A + c A A) X with A = X X^T, in bf16, on the wide orientation of each matrix,
+// after Frobenius normalisation (x 1.02 + 1e-6). Coefficients of record 61 (num_iters 5, safety
+// factor 2e-2, cushion 2).
+static const float polar_express_coeffs[5][3] = {
+    {8.156554524902461f, -22.48329292557795f, 15.878769915207462f},
+    {4.042929935166739f, -2.808917465908714f, 0.5000178451051316f},
+    {3.8916678022926607f, -2.772484153217685f, 0.5060648178503393f},
+    {3.285753657755655f, -2.3681294933425376f, 0.46449024233003106f},
+    {2.3465413258596377f, -1.7097828382687081f, 0.42323551169305323f}};
+
+class PolarExpress {
+   public:
+    // for batches of up to `count` matrices of rows x cols
+    PolarExpress(int count, int rows, int cols) : count_(count), rows_(rows), cols_(cols) {
+        const int64_t n = (int64_t)count * rows * cols, m = std::min(rows, cols);
+        CUDA_CHECK(cudaMalloc(&x_[0], n * sizeof(__nv_bfloat16)));
+        CUDA_CHECK(cudaMalloc(&x_[1], n * sizeof(__nv_bfloat16)));
+        CUDA_CHECK(cudaMalloc(&a_, (int64_t)count * m * m * sizeof(__nv_bfloat16)));
+        CUDA_CHECK(cudaMalloc(&b_, (int64_t)count * m * m * sizeof(__nv_bfloat16)));
+        CUDA_CHECK(cudaMalloc(&partial_, (int64_t)count * opt::NORM_BLOCKS * sizeof(float)));
+    }
+    ~PolarExpress() {
+        for (void* p : {(void*)x_[0], (void*)x_[1], (void*)a_, (void*)b_, (void*)partial_}) CUDA_CHECK(cudaFree(p));
+    }
+    PolarExpress(const PolarExpress&) = delete;
+    PolarExpress& operator=(const PolarExpress&) = delete;
+
+    // out (bf16, count x rows x cols) = the orthogonalised g (fp32, same shape)
+    void run(Gemms& gemms, const float* g, __nv_bfloat16* out, int count, cudaStream_t stream) {
+        if (count > count_) fatal(strprintf("PolarExpress: %d matrices, room for %d", count, count_));
+        const bool tall = rows_ > cols_;
+        const int m = std::min(rows_, cols_), n = std::max(rows_, cols_);  // X is m x n, wide
+        const int64_t mn = (int64_t)m * n, mm = (int64_t)m * m;
+        CUDA_CHECK(frobenius_normalize(g, x_[0], count, mn, partial_, stream));
+        __nv_bfloat16* x = x_[0];
+        __nv_bfloat16* next = x_[1];
+        if (tall) {
+            CUDA_CHECK(transpose_bf16(x_[0], x_[1], count, rows_, cols_, stream));
+            std::swap(x, next);
+        } else {
+            next = out;  // the 5 iterations end in out
+        }
+        for (int it = 0; it < 5; ++it) {
+            const float a = polar_express_coeffs[it][0], b = polar_express_coeffs[it][1], c = polar_express_coeffs[it][2];
+            sym::Params sp{x, mn, n, nullptr, 0, 0, a_, mm, m, m, n, 1.f, 0.f};
+            CUDA_CHECK(symmetric_product(sp, count, stream));  // A = X X^T
+            sym::Params sq{a_, mm, m, a_, mm, m, b_, mm, m, m, m, c, b};
+            CUDA_CHECK(symmetric_product(sq, count, stream));  // B = b A + c A A
+            gemms.bf16_batched(stream, count, Op::N, Op::N, m, n, m, b_, m, mm, x, n, mn, x, next, n, mn, 1.f, a);
+            std::swap(x, next);
+        }
+        if (tall) CUDA_CHECK(transpose_bf16(x, out, count, m, n, stream));
+    }
+
+   private:
+    int count_, rows_, cols_;
+    __nv_bfloat16* x_[2] = {nullptr, nullptr};
+    __nv_bfloat16 *a_ = nullptr, *b_ = nullptr;
+    float* partial_ = nullptr;
+};
 
 // -----------------------------------------------------------------------------
 // Training Management: the schedules of record 61, as pure functions of the step.

@@ -1084,3 +1084,274 @@ inline cudaError_t qk_norm_rope_backward(const qkrope::Params& p, cudaStream_t s
     qkrope::bwd_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, stream>>>(p);
     return cudaGetLastError();
 }
+
+// -----------------------------------------------------------------------------
+// Symmetric products of Polar Express (record 61's XXT and ba_plus_cAA): for each matrix of a
+// batch, C = c X X^T + b A, with X (M x K, bf16, row-major) and optionally A (M x M, symmetric).
+// XXT is (c, b) = (1, 0); b*A + c*A@A is X = A (A A = A A^T as A is symmetric). Only the tiles
+// on and above the diagonal are computed; each is stored twice, mirrored. On the attention's
+// 64 x 128 wgmma tiles: one CTA per 64 x 64 output tile, K in steps of 128, double-buffered.
+
+namespace sym {
+
+struct Params {
+    const __nv_bfloat16* x;  // batch x M x K
+    int64_t x_batch_stride, ldx;
+    const __nv_bfloat16* a;  // batch x M x M, or null (b = 0)
+    int64_t a_batch_stride, lda;
+    __nv_bfloat16* c;        // batch x M x M
+    int64_t c_batch_stride, ldc;
+    int m, k;
+    float alpha, beta;       // C = alpha X X^T + beta A
+};
+
+constexpr int SMEM = 4 * attn::TILE_BYTES + 1024;  // (rows i, rows j) x 2 stages, + alignment
+
+__global__ void __launch_bounds__(attn::THREADS) sym_kernel(const Params p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024 - (tk::smem_u32(smem_raw) & 1023)) & 1023);
+    // blockIdx.x enumerates the upper-triangle tiles (bi <= bj) row by row
+    const int nt = (p.m + 63) / 64;
+    int t = blockIdx.x, bi = 0;
+    while (t >= nt - bi) t -= nt - bi, ++bi;
+    const int bj = bi + t;
+    const int b = blockIdx.y;
+    const __nv_bfloat16* x = p.x + b * p.x_batch_stride;
+    const uint32_t base = tk::smem_u32(smem);
+    auto stage = [&](int s) { return base + s * 2 * attn::TILE_BYTES; };
+    const int steps = p.k / 128;
+    auto load = [&](int s, int step) {
+        attn::load_tile(stage(s), x + step * 128, p.ldx, bi * 64, p.m);
+        attn::load_tile(stage(s) + attn::TILE_BYTES, x + step * 128, p.ldx, bj * 64, p.m);
+        tk::cp_async_commit();
+    };
+    load(0, 0);
+    float acc[8][4] = {};
+    for (int step = 0; step < steps; ++step) {
+        if (step + 1 < steps) {
+            load((step + 1) & 1, step + 1);
+            tk::cp_async_wait<1>();
+        } else {
+            tk::cp_async_wait<0>();
+        }
+        tk::fence_proxy_async();
+        __syncthreads();
+        attn::gemm_abt(acc, stage(step & 1), stage(step & 1) + attn::TILE_BYTES);
+        __syncthreads();  // this stage is refilled next iteration
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __nv_bfloat16* c = p.c + b * p.c_batch_stride;
+    const __nv_bfloat16* a = p.a ? p.a + b * p.a_batch_stride : nullptr;
+#pragma unroll
+    for (int nt8 = 0; nt8 < 8; ++nt8)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i = bi * 64 + warp * 16 + (lane >> 2) + (e >> 1) * 8;
+            const int j = bj * 64 + nt8 * 8 + (lane & 3) * 2 + (e & 1);
+            // on diagonal tiles only i <= j: C[i][j] and C[j][i] then come from one value
+            if (i >= p.m || j >= p.m || i > j) continue;
+            float v = p.alpha * acc[nt8][e];
+            if (a) v += p.beta * __bfloat162float(a[(int64_t)i * p.lda + j]);
+            const __nv_bfloat16 out = __float2bfloat16(v);
+            c[(int64_t)i * p.ldc + j] = out;
+            c[(int64_t)j * p.ldc + i] = out;
+        }
+}
+
+}  // namespace sym
+
+// k a multiple of 128; batch matrices
+inline cudaError_t symmetric_product(const sym::Params& p, int batch, cudaStream_t stream) {
+    static bool configured = false;
+    if (p.k % 128 || p.m <= 0 || batch <= 0) return cudaErrorInvalidValue;
+    if (cudaError_t e = tk::allow_smem(sym::sym_kernel, sym::SMEM, configured)) return e;
+    const int nt = (p.m + 63) / 64;
+    sym::sym_kernel<<<dim3(nt * (nt + 1) / 2, batch), attn::THREADS, sym::SMEM, stream>>>(p);
+    return cudaGetLastError();
+}
+
+// -----------------------------------------------------------------------------
+// Optimizer kernels (record 61's NorMuonAndAdam, compiled there by torch.compile).
+
+namespace opt {
+
+// Batched bf16 transpose: dst[b][c][r] = src[b][r][c], 64 x 64 tiles through shared memory.
+__global__ void transpose_kernel(const __nv_bfloat16* src, int64_t src_stride, __nv_bfloat16* dst, int64_t dst_stride,
+                                 int rows, int cols) {
+    __shared__ __nv_bfloat16 tile[64][64 + 2];
+    const __nv_bfloat16* s = src + blockIdx.z * src_stride;
+    __nv_bfloat16* d = dst + blockIdx.z * dst_stride;
+    const int r0 = blockIdx.y * 64, c0 = blockIdx.x * 64;
+    for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x) {
+        const int r = i / 64, c = i % 64;
+        if (r0 + r < rows && c0 + c < cols) tile[r][c] = s[(int64_t)(r0 + r) * cols + c0 + c];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x) {
+        const int c = i / 64, r = i % 64;
+        if (r0 + r < rows && c0 + c < cols) d[(int64_t)(c0 + c) * rows + r0 + r] = tile[r][c];
+    }
+}
+
+// Polar Express input: X = bf16(G) / (||bf16(G)||_F * 1.02 + 1e-6), per matrix of a batch (fp32 G).
+// Deterministic two-pass norm: per-block partial sums, then every block adds them in order.
+constexpr int NORM_BLOCKS = 32;
+__global__ void sumsq_kernel(const float* g, int64_t n, float* partial) {
+    const float* m = g + blockIdx.y * n;
+    float s = 0.f;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float v = __bfloat162float(__float2bfloat16(m[i]));
+        s += v * v;
+    }
+    __shared__ float red[32];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float t = 0.f;
+        for (int w = 0; w < (int)blockDim.x / 32; ++w) t += red[w];
+        partial[blockIdx.y * NORM_BLOCKS + blockIdx.x] = t;
+    }
+}
+__global__ void normalize_kernel(const float* g, int64_t n, const float* partial, __nv_bfloat16* x) {
+    float s = 0.f;
+    for (int i = 0; i < NORM_BLOCKS; ++i) s += partial[blockIdx.y * NORM_BLOCKS + i];
+    const float inv = 1.f / (sqrtf(s) * 1.02f + 1e-6f);
+    const float* m = g + blockIdx.y * n;
+    __nv_bfloat16* o = x + blockIdx.y * n;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        o[i] = __float2bfloat16(__bfloat162float(__float2bfloat16(m[i])) * inv);
+}
+
+// torch.lerp's formula: exact at both ends
+__device__ __forceinline__ float lerp(float start, float end, float w) {
+    const float diff = end - start;
+    return w < 0.5f ? start + w * diff : end - diff * (1.f - w);
+}
+// Nesterov-style momentum in fp32: buf = lerp(buf, g, 1 - mu); out = lerp(g, buf, mu)
+__global__ void momentum_kernel(const __nv_bfloat16* grad, float* buf, float* out, int64_t n, float mu) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const float g = __bfloat162float(grad[i]);
+        const float b = lerp(buf[i], g, 1.f - mu);
+        buf[i] = b;
+        out[i] = lerp(g, b, mu);
+    }
+}
+
+// NorMuon second-moment normalisation (arXiv 2510.05491) of one matrix per CTA, rows >= cols
+// (reduced along the columns; the record's other orientation does not occur in the banks):
+// v_mean[r] = mean_c v^2, buf = lerp(buf, v_mean, 1 - beta2), s[r] = rsqrt(max(buf, 1e-10)),
+// v *= s[r] * ||v|| / ||v * s||, in place on bf16 v.
+__global__ void __launch_bounds__(1024) variance_kernel(__nv_bfloat16* v, float* second_moment, int rows, int cols,
+                                                        float beta2) {
+    extern __shared__ float row_scale[];  // rows
+    __shared__ float red[2][32];
+    __nv_bfloat16* m = v + (int64_t)blockIdx.x * rows * cols;
+    float* buf = second_moment + (int64_t)blockIdx.x * rows;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, nwarps = blockDim.x / 32;
+    float norm_sq = 0.f, new_sq = 0.f;
+    for (int r = warp; r < rows; r += nwarps) {  // one warp per row
+        float s = 0.f;
+        for (int c = lane; c < cols; c += 32) {
+            float x = __bfloat162float(m[(int64_t)r * cols + c]);
+            s += x * x;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        const float mean = s / cols;
+        const float b = lerp(buf[r], mean, 1.f - beta2);
+        const float step = rsqrtf(fmaxf(b, 1e-10f));
+        if (lane == 0) buf[r] = b, row_scale[r] = step;
+        norm_sq += mean * cols;
+        new_sq += mean * cols * step * step;
+    }
+    if (lane == 0) red[0][warp] = norm_sq, red[1][warp] = new_sq;
+    __syncthreads();
+    float a = 0.f, b = 0.f;
+    for (int w = 0; w < nwarps; ++w) a += red[0][w], b += red[1][w];  // same order in every thread
+    const float ratio = sqrtf(a) / fmaxf(sqrtf(b), 1e-10f);
+    for (int64_t i = threadIdx.x; i < (int64_t)rows * cols; i += blockDim.x) {
+        const int r = (int)(i / cols);
+        const __nv_bfloat16 scale = __float2bfloat16(row_scale[r] * ratio);
+        m[i] = __float2bfloat16(__bfloat162float(m[i]) * __bfloat162float(scale));
+    }
+}
+
+// Cautious weight decay and the update of bf16 weights kept exact in fp32 through a uint16
+// mantissa buffer (the low 16 bits): p = p - p [v p >= 0] wd lr - v lr, per matrix lr.
+__global__ void normuon_apply_kernel(uint16_t* p, uint16_t* mantissa, const __nv_bfloat16* v, int64_t per_matrix,
+                                     int count, const float* lr, float wd) {
+    const int64_t n = per_matrix * count;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const float l = lr[i / per_matrix];
+        uint32_t raw = ((uint32_t)p[i] << 16) | mantissa[i];
+        const float x = __uint_as_float(raw);
+        const float g = __bfloat162float(v[i]);
+        const float decay = g * x >= 0.f ? x * wd * l : 0.f;
+        raw = __float_as_uint(x - decay - g * l);
+        p[i] = (uint16_t)(raw >> 16);
+        mantissa[i] = (uint16_t)(raw & 0xffff);
+    }
+}
+
+// Adam with bias correction folded into step_size, and cautious weight decay:
+// m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; u = m / (sqrt(v) + eps) * step_size;
+// u += p [u p > 0] eff_wd; p -= u. T is the parameter's type (bf16 or fp32), G the gradient's.
+template <typename T, typename G>
+__global__ void adam_kernel(T* p, const G* grad, float* exp_avg, float* exp_avg_sq, int64_t n, float beta1,
+                            float beta2, float eps, float step_size, float eff_wd) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const float g = (float)grad[i];
+        const float m = beta1 * exp_avg[i] + (1.f - beta1) * g;
+        const float v = beta2 * exp_avg_sq[i] + (1.f - beta2) * g * g;
+        exp_avg[i] = m, exp_avg_sq[i] = v;
+        const float x = (float)p[i];
+        float u = m / (sqrtf(v) + eps) * step_size;
+        if (u * x > 0.f) u += x * eff_wd;
+        p[i] = (T)(x - u);
+    }
+}
+
+inline unsigned grid_for(int64_t n) { return (unsigned)std::min<int64_t>((n + 255) / 256, 132 * 8); }
+
+}  // namespace opt
+
+inline cudaError_t transpose_bf16(const __nv_bfloat16* src, __nv_bfloat16* dst, int batch, int rows, int cols,
+                                  cudaStream_t stream) {
+    dim3 grid((cols + 63) / 64, (rows + 63) / 64, batch);
+    opt::transpose_kernel<<<grid, 256, 0, stream>>>(src, (int64_t)rows * cols, dst, (int64_t)rows * cols, rows, cols);
+    return cudaGetLastError();
+}
+// partial: batch * opt::NORM_BLOCKS floats of workspace
+inline cudaError_t frobenius_normalize(const float* g, __nv_bfloat16* x, int batch, int64_t n, float* partial,
+                                       cudaStream_t stream) {
+    opt::sumsq_kernel<<<dim3(opt::NORM_BLOCKS, batch), 256, 0, stream>>>(g, n, partial);
+    opt::normalize_kernel<<<dim3(opt::NORM_BLOCKS, batch), 256, 0, stream>>>(g, n, partial, x);
+    return cudaGetLastError();
+}
+inline cudaError_t nesterov_momentum(const __nv_bfloat16* grad, float* buf, float* out, int64_t n, float mu,
+                                     cudaStream_t stream) {
+    opt::momentum_kernel<<<opt::grid_for(n), 256, 0, stream>>>(grad, buf, out, n, mu);
+    return cudaGetLastError();
+}
+inline cudaError_t normuon_variance(__nv_bfloat16* v, float* second_moment, int batch, int rows, int cols, float beta2,
+                                    cudaStream_t stream) {
+    if (rows < cols) return cudaErrorInvalidValue;
+    opt::variance_kernel<<<batch, 1024, rows * sizeof(float), stream>>>(v, second_moment, rows, cols, beta2);
+    return cudaGetLastError();
+}
+// lr: count floats (device), the effective lr of each matrix
+inline cudaError_t normuon_apply(__nv_bfloat16* p, uint16_t* mantissa, const __nv_bfloat16* v, int64_t per_matrix,
+                                 int count, const float* lr, float wd, cudaStream_t stream) {
+    opt::normuon_apply_kernel<<<opt::grid_for(per_matrix * count), 256, 0, stream>>>(
+        reinterpret_cast<uint16_t*>(p), mantissa, v, per_matrix, count, lr, wd);
+    return cudaGetLastError();
+}
+template <typename T, typename G>
+inline cudaError_t adam_update(T* p, const G* grad, float* exp_avg, float* exp_avg_sq, int64_t n, float beta1, float beta2,
+                               float eps, float step_size, float eff_wd, cudaStream_t stream) {
+    opt::adam_kernel<T, G><<<opt::grid_for(n), 256, 0, stream>>>(p, grad, exp_avg, exp_avg_sq, n, beta1, beta2, eps,
+                                                                step_size, eff_wd);
+    return cudaGetLastError();
+}

@@ -647,6 +647,208 @@ static void qkrope_case(int T, bool paired, bool key_offset, uint64_t seed) {
     CHECK(eq < 1e-2 && ek < 1e-2 && eg < 1e-2, "qk norm + rotary differs from the fp64 reference (%.2e %.2e %.2e)", eq, ek, eg);
 }
 
+// ---------------------------------------------------------------------------------------------
+// optimizer kernels against double-precision CPU emulations of the record's formulas
+
+static double rb(double v) { return bf16_to_float(float_to_bf16((float)v)); }  // round to bf16
+
+static void polar_express_case(int count, int rows, int cols, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    const int64_t n = (int64_t)rows * cols;
+    std::vector<float> g((size_t)count * n);
+    for (auto& v : g) v = nd(rng) * 0.01f;
+    const int m = std::min(rows, cols), w = std::max(rows, cols);
+    const bool tall = rows > cols;
+    std::vector<double> ref((size_t)count * n);
+    for (int b = 0; b < count; ++b) {
+        std::vector<double> X((size_t)m * w), A((size_t)m * m), B((size_t)m * m), N((size_t)m * w);
+        double ss = 0;
+        for (int64_t i = 0; i < n; ++i) ss += rb(g[b * n + i]) * rb(g[b * n + i]);
+        const double denom = std::sqrt(ss) * 1.02 + 1e-6;
+        for (int r = 0; r < rows; ++r)
+            for (int c = 0; c < cols; ++c) {
+                double v = rb(rb(g[b * n + (int64_t)r * cols + c]) / denom);
+                if (tall) X[(size_t)c * w + r] = v;
+                else X[(size_t)r * w + c] = v;
+            }
+        for (int it = 0; it < 5; ++it) {
+            const double a = polar_express_coeffs[it][0], bb = polar_express_coeffs[it][1], cc = polar_express_coeffs[it][2];
+            for (int i = 0; i < m; ++i)
+                for (int j = 0; j < m; ++j) {
+                    double s = 0;
+                    for (int k = 0; k < w; ++k) s += X[(size_t)i * w + k] * X[(size_t)j * w + k];
+                    A[(size_t)i * m + j] = rb(s);
+                }
+            for (int i = 0; i < m; ++i)
+                for (int j = 0; j < m; ++j) {
+                    double s = 0;
+                    for (int k = 0; k < m; ++k) s += A[(size_t)i * m + k] * A[(size_t)k * m + j];
+                    B[(size_t)i * m + j] = rb(bb * A[(size_t)i * m + j] + cc * s);
+                }
+            for (int i = 0; i < m; ++i)
+                for (int j = 0; j < w; ++j) {
+                    double s = 0;
+                    for (int k = 0; k < m; ++k) s += B[(size_t)i * m + k] * X[(size_t)k * w + j];
+                    N[(size_t)i * w + j] = rb(a * X[(size_t)i * w + j] + s);
+                }
+            X.swap(N);
+        }
+        for (int r = 0; r < rows; ++r)
+            for (int c = 0; c < cols; ++c) ref[b * n + (int64_t)r * cols + c] = tall ? X[(size_t)c * w + r] : X[(size_t)r * w + c];
+    }
+    Gemms gemms;
+    PolarExpress pe(count, rows, cols);
+    DeviceArray<float> dg(g);
+    DeviceArray<uint16_t> out((size_t)count * n);
+    out.poison();
+    pe.run(gemms, dg.ptr, reinterpret_cast<__nv_bfloat16*>(out.ptr), count, 0);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<uint16_t> o = out.download();
+    std::vector<double> got(o.size());
+    for (size_t i = 0; i < o.size(); ++i) got[i] = bf16_to_float(o[i]);
+    double e = rel_err_d(got, ref);
+    printf("  polar express %d x %4d x %4d%s  rel err %.1e\n", count, rows, cols, tall ? " (tall)" : "", e);
+    CHECK(e < 1e-2, "polar express %d x %d x %d differs from the bf16 CPU emulation (%.2e)", count, rows, cols, e);
+}
+
+static void normuon_step_case(int count, int rows, int cols, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    const int64_t per = (int64_t)rows * cols, n = per * count;
+    std::vector<uint16_t> grad = random_bf16(rng, n, 0.02f), v = random_bf16(rng, n, 0.05f), p = random_bf16(rng, n, 0.03f);
+    std::vector<uint16_t> mant(n);
+    for (auto& x : mant) x = (uint16_t)rng();
+    std::vector<float> buf(n), sm((size_t)count * rows), lr(count);
+    for (auto& x : buf) x = nd(rng) * 0.01f;
+    for (auto& x : sm) x = std::fabs(nd(rng)) * 1e-3f;
+    for (int i = 0; i < count; ++i) lr[i] = 0.023f * (i % 2 ? 2.f : 1.f);
+    const float mu = 0.93f, beta2 = 0.95f, wd = 1.2f * 0.023f;
+    // reference
+    std::vector<double> buf_ref(n), out_ref(n), v_ref(n), sm_ref(sm.size());
+    for (int64_t i = 0; i < n; ++i) {
+        double gg = bf16_to_float(grad[i]);
+        buf_ref[i] = buf[i] + (1 - mu) * (gg - buf[i]);
+        out_ref[i] = gg + mu * (buf_ref[i] - gg);
+    }
+    for (int b = 0; b < count; ++b) {
+        double norm_sq = 0, new_sq = 0;
+        std::vector<double> step(rows);
+        for (int r = 0; r < rows; ++r) {
+            double s = 0;
+            for (int c = 0; c < cols; ++c) s += std::pow(bf16_to_float(v[b * per + (int64_t)r * cols + c]), 2);
+            double mean = s / cols, bb = sm[(size_t)b * rows + r] + (1 - beta2) * (mean - sm[(size_t)b * rows + r]);
+            sm_ref[(size_t)b * rows + r] = bb;
+            step[r] = 1 / std::sqrt(std::max(bb, 1e-10));
+            norm_sq += mean * cols, new_sq += mean * cols * step[r] * step[r];
+        }
+        double ratio = std::sqrt(norm_sq) / std::max(std::sqrt(new_sq), 1e-10);
+        for (int r = 0; r < rows; ++r)
+            for (int c = 0; c < cols; ++c) {
+                int64_t i = b * per + (int64_t)r * cols + c;
+                v_ref[i] = rb(bf16_to_float(v[i]) * rb(step[r] * ratio));
+            }
+    }
+    // the update, from the GPU's normalised v (checked above) so rounding flips in v do not spread
+    DeviceArray<uint16_t> dgrad(grad), dv(v), dp(p), dm(mant);
+    DeviceArray<float> dbuf(buf), dout(n), dsm(sm), dlr(lr);
+    dout.poison();
+    auto bf = [](uint16_t* x) { return reinterpret_cast<__nv_bfloat16*>(x); };
+    CUDA_CHECK(nesterov_momentum(bf(dgrad.ptr), dbuf.ptr, dout.ptr, n, mu, 0));
+    CUDA_CHECK(normuon_variance(bf(dv.ptr), dsm.ptr, count, rows, cols, beta2, 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<uint16_t> vg = dv.download();
+    CUDA_CHECK(normuon_apply(bf(dp.ptr), dm.ptr, bf(dv.ptr), per, count, dlr.ptr, wd, 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<double> p_ref(n), p_got(n);
+    std::vector<uint16_t> pg = dp.download(), mg = dm.download();
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t raw = ((uint32_t)p[i] << 16) | mant[i];
+        float x;
+        memcpy(&x, &raw, 4);
+        double gv = bf16_to_float(vg[i]), l = lr[i / per];
+        p_ref[i] = x - (gv * x >= 0 ? x * wd * l : 0.0) - gv * l;
+        uint32_t got = ((uint32_t)pg[i] << 16) | mg[i];
+        float gf;
+        memcpy(&gf, &got, 4);
+        p_got[i] = gf;
+    }
+    auto to_d = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
+    std::vector<double> vgd(n);
+    for (int64_t i = 0; i < n; ++i) vgd[i] = bf16_to_float(vg[i]);
+    double e_buf = rel_err_d(to_d(dbuf.download()), buf_ref), e_out = rel_err_d(to_d(dout.download()), out_ref),
+           e_sm = rel_err_d(to_d(dsm.download()), sm_ref), e_v = rel_err_d(vgd, v_ref);
+    // the weights move by ~lr * |v|: compare the change, kept exact in fp32 through the mantissa
+    std::vector<double> d_ref(n), d_got(n);
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t raw = ((uint32_t)p[i] << 16) | mant[i];
+        float x;
+        memcpy(&x, &raw, 4);
+        d_ref[i] = p_ref[i] - x, d_got[i] = p_got[i] - x;
+    }
+    double e_p = rel_err_d(d_got, d_ref);
+    printf("  normuon %d x %d x %d  rel err: momentum %.1e nesterov %.1e second moment %.1e v %.1e update %.1e\n", count,
+           rows, cols, e_buf, e_out, e_sm, e_v, e_p);
+    CHECK(e_buf < 1e-6 && e_out < 1e-6 && e_sm < 1e-5 && e_v < 1e-2 && e_p < 1e-5,
+          "NorMuon step differs from the reference (%.2e %.2e %.2e %.2e %.2e)", e_buf, e_out, e_sm, e_v, e_p);
+}
+
+template <typename T>
+static void adam_case(const char* name, int64_t n, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    std::vector<T> p(n);
+    std::vector<uint16_t> grad = random_bf16(rng, n, 0.1f);
+    std::vector<float> m(n), v(n);
+    for (int64_t i = 0; i < n; ++i) {
+        p[i] = (T)(nd(rng) * 0.05f);
+        m[i] = nd(rng) * 0.01f, v[i] = std::fabs(nd(rng)) * 1e-4f;
+    }
+    const float b1 = 0.75f, b2 = 0.95f, eps = 1e-10f, lr = 0.008f * 75.f;
+    const int t = 3;
+    const float step_size = (float)(lr * std::sqrt(1 - std::pow(b2, t)) / (1 - std::pow(b1, t)));
+    const float eff_wd = lr * lr * 0.005f * 5.f;
+    std::vector<double> p_ref(n), m_ref(n), v_ref(n);
+    for (int64_t i = 0; i < n; ++i) {
+        double g = bf16_to_float(grad[i]), x = (double)(float)p[i];
+        m_ref[i] = b1 * m[i] + (1 - b1) * g, v_ref[i] = b2 * v[i] + (1 - b2) * g * g;
+        double u = m_ref[i] / (std::sqrt(v_ref[i]) + eps) * step_size;
+        if (u * x > 0) u += x * eff_wd;
+        p_ref[i] = x - u;
+    }
+    DeviceArray<T> dp(p);
+    DeviceArray<uint16_t> dg(grad);
+    DeviceArray<float> dm(m), dv(v);
+    CUDA_CHECK(adam_update(dp.ptr, reinterpret_cast<const __nv_bfloat16*>(dg.ptr), dm.ptr, dv.ptr, n, b1, b2, eps,
+                           step_size, eff_wd, 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<T> pg = dp.download();
+    std::vector<double> got(n), dref(n), dgot(n);
+    for (int64_t i = 0; i < n; ++i) {
+        double x = (double)(float)p[i];
+        got[i] = (double)(float)pg[i];
+        dref[i] = p_ref[i] - x, dgot[i] = got[i] - x;
+    }
+    auto to_d = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
+    double e_m = rel_err_d(to_d(dm.download()), m_ref), e_v = rel_err_d(to_d(dv.download()), v_ref), e_p = rel_err_d(got, p_ref);
+    const bool bf16 = sizeof(T) == 2;
+    // fp32 weights: the step itself must match; bf16 weights: within the weight's own rounding
+    double e_step = rel_err_d(dgot, dref);
+    printf("  adam %-5s n %6lld  rel err: m %.1e v %.1e p %.1e step %.1e\n", name, (long long)n, e_m, e_v, e_p, e_step);
+    CHECK(e_m < 1e-6 && e_v < 1e-6 && e_p < (bf16 ? 1e-2 : 1e-6) && (bf16 || e_step < 1e-4),
+          "Adam (%s) differs from the reference (%.2e %.2e %.2e %.2e)", name, e_m, e_v, e_p, e_step);
+}
+
+static void test_optimizer_kernels() {
+    polar_express_case(3, 128, 256, 30);
+    polar_express_case(2, 384, 128, 31);
+    polar_express_case(1, 256, 256, 32);
+    normuon_step_case(3, 384, 128, 33);
+    normuon_step_case(2, 256, 256, 34);
+    adam_case<__nv_bfloat16>("bf16", 50304 + 17, 35);
+    adam_case<float>("fp32", 37, 36);
+}
+
 static void test_model_kernels() {
     relu2_case(8 * 1000 + 8 * 37, 20);
     fp8_cast_case(48, 80, false, false, 100.f / 448, 21);
@@ -694,6 +896,7 @@ int main() {
         test_upload(tmpl);
         test_attention();
         test_model_kernels();
+        test_optimizer_kernels();
     } catch (const std::exception& ex) {
         ++g_failed;
         printf("FAIL: uncaught error: %s\n", ex.what());
