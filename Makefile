@@ -43,13 +43,17 @@ test: train_gpt tests/test_host
 test-gpu: tests/test_gpu
 	./tests/test_gpu
 
+tests/bench_gpu: tests/bench_gpu.cu $(SOURCES)
+	$(NVCC) $(NVCCFLAGS) -o $@ tests/bench_gpu.cu $(LDLIBS)
+
 tests/libattention.so: tests/attention_lib.cu triton_kernels.cu
 	$(NVCC) -O3 -std=c++17 $(ARCH) -Xcompiler -fPIC -shared -o $@ tests/attention_lib.cu
 
 BENCH_DATA ?= data/textmix/textmix_train_*.bin
-bench: tests/test_host tests/libattention.so
+bench: tests/test_host tests/libattention.so tests/bench_gpu
 	./tests/test_host --bench-data '$(BENCH_DATA)'
+	./tests/bench_gpu
 	$(PYTHON) tests/bench_attention.py
 
 clean:
-	rm -f train_gpt tests/test_host tests/test_gpu tests/libattention.so
+	rm -f train_gpt tests/test_host tests/test_gpu tests/bench_gpu tests/libattention.so
