@@ -8,6 +8,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+#include <cub/device/device_radix_sort.cuh>
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <cstdint>
@@ -1355,3 +1356,105 @@ inline cudaError_t adam_update(T* p, const G* grad, float* exp_avg, float* exp_a
                                                                 step_size, eff_wd);
     return cudaGetLastError();
 }
+
+// -----------------------------------------------------------------------------
+// Embedding lookups (embed and the value embeddings ve0..ve2) and their deterministic backward:
+// the positions are sorted by token id once per batch (a stable radix sort), then one warp per
+// distinct id sums that id's gradient rows in position order (fp32) and adds them to the table's
+// gradient row: no atomics, the same bits every run. Rows of 768 bf16.
+
+namespace embed {
+
+constexpr int DIM = 768;
+
+__global__ void gather_kernel(const int* ids, int tokens, const __nv_bfloat16* table, __nv_bfloat16* out, int64_t ld_out) {
+    const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (t >= tokens) return;
+    const uint4* src = reinterpret_cast<const uint4*>(table + (int64_t)ids[t] * DIM);
+    uint4* dst = reinterpret_cast<uint4*>(out + t * ld_out);
+#pragma unroll
+    for (int v = 0; v < DIM / 256; ++v) dst[v * 32 + lane] = src[v * 32 + lane];
+}
+
+__global__ void positions_kernel(int* pos, int tokens) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < tokens) pos[i] = i;
+}
+
+// one warp per run of equal ids in sorted order (only the warp at a run's first index works)
+__global__ void scatter_add_kernel(const int* sorted_ids, const int* sorted_pos, int tokens, const __nv_bfloat16* grad,
+                                   int64_t ld_grad, __nv_bfloat16* table_grad) {
+    const int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (i >= tokens || (i > 0 && sorted_ids[i - 1] == sorted_ids[i])) return;
+    const int id = sorted_ids[i];
+    float acc[DIM / 256][8] = {};
+    for (int j = i; j < tokens && sorted_ids[j] == id; ++j) {
+        const __nv_bfloat16* row = grad + sorted_pos[j] * ld_grad;
+#pragma unroll
+        for (int v = 0; v < DIM / 256; ++v) {
+            float f[8];
+            tk::load8(row + (v * 32 + lane) * 8, f);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[v][e] += f[e];
+        }
+    }
+    __nv_bfloat16* dst = table_grad + (int64_t)id * DIM;
+#pragma unroll
+    for (int v = 0; v < DIM / 256; ++v) {
+        float f[8];
+        tk::load8(dst + (v * 32 + lane) * 8, f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] += acc[v][e];
+        tk::store8(dst + (v * 32 + lane) * 8, f);
+    }
+}
+
+}  // namespace embed
+
+inline cudaError_t embedding_forward(const int* ids, int tokens, const __nv_bfloat16* table, __nv_bfloat16* out,
+                                     int64_t ld_out, cudaStream_t stream) {
+    if (tokens <= 0) return cudaSuccess;
+    embed::gather_kernel<<<(tokens + 7) / 8, 256, 0, stream>>>(ids, tokens, table, out, ld_out);
+    return cudaGetLastError();
+}
+
+// Sorts a batch's token ids once (sort()), then adds gradient rows into any number of tables
+// looked up with those ids (accumulate()).
+class EmbeddingBackward {
+   public:
+    explicit EmbeddingBackward(int max_tokens) : max_tokens_(max_tokens) {
+        size_t bytes = 0;
+        cub::DeviceRadixSort::SortPairs(nullptr, bytes, (const int*)nullptr, (int*)nullptr, (const int*)nullptr,
+                                        (int*)nullptr, max_tokens, 0, 16);
+        temp_bytes_ = bytes;
+        cudaError_t e = cudaMalloc(&temp_, temp_bytes_ + 4 * (size_t)max_tokens * sizeof(int));
+        if (e != cudaSuccess) temp_ = nullptr;
+        pos_ = reinterpret_cast<int*>(static_cast<char*>(temp_) + temp_bytes_);
+        sorted_ids_ = pos_ + max_tokens, sorted_pos_ = pos_ + 2 * max_tokens;
+    }
+    ~EmbeddingBackward() { cudaFree(temp_); }
+    EmbeddingBackward(const EmbeddingBackward&) = delete;
+    EmbeddingBackward& operator=(const EmbeddingBackward&) = delete;
+
+    // ids < 65536 (the padded vocabulary is 50304)
+    cudaError_t sort(const int* ids, int tokens, cudaStream_t stream) {
+        if (!temp_) return cudaErrorMemoryAllocation;
+        if (tokens > max_tokens_) return cudaErrorInvalidValue;
+        tokens_ = tokens;
+        embed::positions_kernel<<<(tokens + 255) / 256, 256, 0, stream>>>(pos_, tokens);
+        size_t bytes = temp_bytes_;
+        return cub::DeviceRadixSort::SortPairs(temp_, bytes, ids, sorted_ids_, pos_, sorted_pos_, tokens, 0, 16, stream);
+    }
+    // table_grad[id] += sum of grad rows at the positions of id (grad: tokens x 768, row stride ld)
+    cudaError_t accumulate(const __nv_bfloat16* grad, int64_t ld, __nv_bfloat16* table_grad, cudaStream_t stream) {
+        if (tokens_ <= 0) return cudaSuccess;
+        embed::scatter_add_kernel<<<(tokens_ + 7) / 8, 256, 0, stream>>>(sorted_ids_, sorted_pos_, tokens_, grad, ld, table_grad);
+        return cudaGetLastError();
+    }
+
+   private:
+    int max_tokens_, tokens_ = 0;
+    size_t temp_bytes_ = 0;
+    void* temp_ = nullptr;
+    int *pos_ = nullptr, *sorted_ids_ = nullptr, *sorted_pos_ = nullptr;
+};

@@ -839,7 +839,58 @@ static void adam_case(const char* name, int64_t n, uint64_t seed) {
           "Adam (%s) differs from the reference (%.2e %.2e %.2e %.2e)", name, e_m, e_v, e_p, e_step);
 }
 
+static void embedding_case(int tokens, int vocab_used, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    const int V = 50304, D = 768;
+    std::vector<int> ids(tokens);
+    for (auto& x : ids) x = rng() % 3 == 0 ? (int)(rng() % 4) : (int)(rng() % vocab_used);  // some ids very frequent
+    ids[0] = V - 1;
+    std::vector<uint16_t> table = random_bf16(rng, (size_t)V * D, 1.f), grad = random_bf16(rng, (size_t)tokens * D, 1.f);
+    std::vector<uint16_t> g0 = random_bf16(rng, (size_t)V * D, 0.1f);
+    std::vector<double> sums((size_t)V * D, 0.0);
+    std::vector<bool> touched(V, false);
+    for (int t = 0; t < tokens; ++t) {
+        touched[ids[t]] = true;
+        for (int d = 0; d < D; ++d) sums[(size_t)ids[t] * D + d] += bf16_to_float(grad[(size_t)t * D + d]);
+    }
+    DeviceArray<int> did(ids);
+    DeviceArray<uint16_t> dtab(table), dgrad(grad), out((size_t)tokens * D), gt(g0);
+    out.poison();
+    auto bf = [](uint16_t* x) { return reinterpret_cast<__nv_bfloat16*>(x); };
+    CUDA_CHECK(embedding_forward(did.ptr, tokens, bf(dtab.ptr), bf(out.ptr), D, 0));
+    EmbeddingBackward eb(tokens + 5);
+    CUDA_CHECK(eb.sort(did.ptr, tokens, 0));
+    CUDA_CHECK(eb.accumulate(bf(dgrad.ptr), D, bf(gt.ptr), 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<uint16_t> o = out.download(), first = gt.download();
+    bool gather_ok = true;
+    for (int t = 0; t < tokens; ++t) gather_ok &= memcmp(&o[(size_t)t * D], &table[(size_t)ids[t] * D], D * 2) == 0;
+    std::vector<double> got, ref;
+    bool untouched_ok = true;
+    for (int v = 0; v < V; ++v)
+        for (int d = 0; d < D; ++d) {
+            size_t i = (size_t)v * D + d;
+            if (!touched[v]) {
+                untouched_ok &= first[i] == g0[i];
+                continue;
+            }
+            got.push_back(bf16_to_float(first[i]));
+            ref.push_back(bf16_to_float(g0[i]) + sums[i]);
+        }
+    gt.upload(g0);
+    CUDA_CHECK(eb.accumulate(bf(dgrad.ptr), D, bf(gt.ptr), 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const bool same = gt.download() == first;
+    double e = rel_err_d(got, ref);
+    printf("  embedding %5d tokens: gather %s, scatter-add rel err %.1e%s\n", tokens, gather_ok ? "exact" : "WRONG", e,
+           same ? ", bit-identical twice" : ", NOT DETERMINISTIC");
+    CHECK(gather_ok && untouched_ok && e < 1e-2 && same, "embedding gather/scatter-add (gather %d untouched %d err %.2e same %d)",
+          (int)gather_ok, (int)untouched_ok, e, (int)same);
+}
+
 static void test_optimizer_kernels() {
+    embedding_case(1001, 700, 37);
+    embedding_case(49152, 50304, 38);
     polar_express_case(3, 128, 256, 30);
     polar_express_case(2, 384, 128, 31);
     polar_express_case(1, 256, 256, 32);
