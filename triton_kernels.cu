@@ -1458,3 +1458,254 @@ class EmbeddingBackward {
     void* temp_ = nullptr;
     int *pos_ = nullptr, *sorted_ids_ = nullptr, *sorted_pos_ = nullptr;
 };
+
+// -----------------------------------------------------------------------------
+// The model's small gates, each read off the first 12 channels of a row (z = x[:12] . w, as a bf16
+// F.linear output), forward and backward:
+//   value-embedding gate (@KoszarskyB, @Grad62304977): v[t,h] += 2 sigmoid(z[t,h]) ve[t,h]
+//   attention output gate (@classiclarryd):             y[t,h] *= sigmoid(z[t,h])
+//   smear (@classiclarryd):   x[t] += lambda sigmoid(z[t]) x[t-1], t >= 1
+//   skip (U-net):             x[t] += sigmoid(lambda) 2 sigmoid(z[t]) skip[t]
+// Backward kernels write dz (one float per row and head) and the row gradients; the gate weights'
+// and lambdas' gradients are then reduced over the tokens in a fixed order (deterministic).
+
+namespace gate {
+
+constexpr int GW = 12;  // channels a gate reads
+
+struct Params {
+    int tokens, heads;           // heads: 6 for the attention gates, 1 for smear and skip
+    const __nv_bfloat16* x;      // the rows the gates read (T x ld_x)
+    int64_t ld_x;
+    const __nv_bfloat16* w;      // heads x 12
+    const float* lambda;         // smear / skip lambda (device scalar)
+    // ve, out gate: per-head rows of 128; smear, skip: rows of 768
+    __nv_bfloat16* a;            // the gated tensor: v (in place), y, x
+    int64_t ld_a;
+    const __nv_bfloat16* b;      // ve / skip / (smear: x itself)
+    int64_t ld_b;
+    __nv_bfloat16* out;          // out-of-place result (out gate, smear)
+    int64_t ld_out;
+    // backward
+    const __nv_bfloat16* dout;   // gradient of the result
+    int64_t ld_dout;
+    __nv_bfloat16* da;           // gradient of a (may alias dout where a passes through)
+    __nv_bfloat16* db;           // gradient of b (ve, skip), accumulated
+    int64_t ld_da, ld_db;
+    float* dz;                   // tokens x heads
+    float* dlam_rows;            // tokens: per-token lambda gradient terms
+};
+
+__device__ __forceinline__ float sigmoid(float z) { return 1.f / (1.f + __expf(-z)); }
+__device__ __forceinline__ float bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
+__device__ __forceinline__ float logit(const Params& p, int t, int h) {
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < GW; ++j) s += __bfloat162float(p.x[t * p.ld_x + j]) * __bfloat162float(p.w[h * GW + j]);
+    return bf(s);
+}
+__device__ __forceinline__ float dot4(const float a[4], const float b[4]) {
+    float s = a[0] * b[0] + a[1] * b[1] + a[2] * b[2] + a[3] * b[3];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    return s;
+}
+
+enum Kind { VE = 0, OUT = 1 };
+
+// per (token, head) warp, lane holds 4 of the 128 channels
+template <int K>
+__global__ void head_fwd_kernel(const Params p) {
+    const int64_t w = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (w >= (int64_t)p.tokens * p.heads) return;
+    const int t = (int)(w / p.heads), h = (int)(w % p.heads), c = h * 128 + (threadIdx.x & 31) * 4;
+    const float s = sigmoid(logit(p, t, h));
+    float a[4], b[4];
+    qkrope::load4(p.a + t * p.ld_a + c, a);
+    if (K == VE) {
+        qkrope::load4(p.b + t * p.ld_b + c, b);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[e] += 2.f * s * b[e];
+        qkrope::store4(p.a + t * p.ld_a + c, a);
+    } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[e] *= s;
+        qkrope::store4(p.out + t * p.ld_out + c, a);
+    }
+}
+
+template <int K>
+__global__ void head_bwd_kernel(const Params p) {
+    const int64_t w = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (w >= (int64_t)p.tokens * p.heads) return;
+    const int t = (int)(w / p.heads), h = (int)(w % p.heads), c = h * 128 + (threadIdx.x & 31) * 4;
+    const float s = sigmoid(logit(p, t, h));
+    float g[4], b[4];
+    qkrope::load4(p.dout + t * p.ld_dout + c, g);
+    if (K == VE) {  // v passes through; dve += 2 s dv; dz = (dv . ve) 2 s (1 - s)
+        qkrope::load4(p.b + t * p.ld_b + c, b);
+        float d = dot4(g, b);
+        float acc[4];
+        qkrope::load4(p.db + t * p.ld_db + c, acc);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[e] += 2.f * s * g[e];
+        qkrope::store4(p.db + t * p.ld_db + c, acc);
+        if ((threadIdx.x & 31) == 0) p.dz[w] = d * 2.f * s * (1.f - s);
+    } else {  // dy = dout s; dz = (dout . y) s (1 - s)
+        qkrope::load4(p.a + t * p.ld_a + c, b);
+        float d = dot4(g, b);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) g[e] *= s;
+        qkrope::store4(p.da + t * p.ld_da + c, g);
+        if ((threadIdx.x & 31) == 0) p.dz[w] = d * s * (1.f - s);
+    }
+}
+
+enum RowKind { SMEAR = 0, SKIP = 1 };
+
+// per token warp over rows of 768 (3 x 8 channels per lane)
+template <int K>
+__global__ void row_fwd_kernel(const Params p) {
+    const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (t >= p.tokens) return;
+    const float lam = *p.lambda;
+    float coef;
+    const __nv_bfloat16* other;
+    if (K == SMEAR) {
+        coef = t > 0 ? lam * sigmoid(logit(p, t, 0)) : 0.f;
+        other = p.a + (int64_t)(t > 0 ? t - 1 : 0) * p.ld_a;
+    } else {
+        coef = sigmoid(lam) * 2.f * sigmoid(logit(p, t, 0));
+        other = p.b + t * p.ld_b;
+    }
+    __nv_bfloat16* dst = K == SMEAR ? p.out + t * p.ld_out : p.a + t * p.ld_a;
+#pragma unroll
+    for (int v = 0; v < 3; ++v) {
+        float x[8], o[8];
+        tk::load8(p.a + t * p.ld_a + (v * 32 + lane) * 8, x);
+        tk::load8(other + (v * 32 + lane) * 8, o);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] += coef * o[e];
+        tk::store8(dst + (v * 32 + lane) * 8, x);
+    }
+}
+
+template <int K>
+__global__ void row_bwd_kernel(const Params p) {
+    const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (t >= p.tokens) return;
+    const float lam = *p.lambda;
+    float dsum = 0.f;  // dout[t] . (x[t-1] or skip[t])
+    float g[3][8];
+    if (K == SMEAR) {
+        // dx[t] = dout[t] + a_{t+1} dout[t+1]; the gate term of row t uses x[t-1]
+        const float s = t > 0 ? sigmoid(logit(p, t, 0)) : 0.f;
+        const float a_next = t + 1 < p.tokens ? lam * sigmoid(logit(p, t + 1, 0)) : 0.f;
+#pragma unroll
+        for (int v = 0; v < 3; ++v) {
+            float n[8], prev[8];
+            tk::load8(p.dout + t * p.ld_dout + (v * 32 + lane) * 8, g[v]);
+            if (t + 1 < p.tokens) tk::load8(p.dout + (int64_t)(t + 1) * p.ld_dout + (v * 32 + lane) * 8, n);
+            if (t > 0) {
+                tk::load8(p.a + (int64_t)(t - 1) * p.ld_a + (v * 32 + lane) * 8, prev);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) dsum += g[v][e] * prev[e];
+            }
+            if (t + 1 < p.tokens)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) g[v][e] += a_next * n[e];
+            tk::store8(p.da + t * p.ld_da + (v * 32 + lane) * 8, g[v]);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) dsum += __shfl_xor_sync(0xffffffffu, dsum, off);
+        if (lane == 0) {
+            p.dz[t] = t > 0 ? lam * s * (1.f - s) * dsum : 0.f;
+            p.dlam_rows[t] = s * dsum;
+        }
+    } else {
+        // x passes through; dskip += c 2 s dx; dz = c 2 s (1 - s) (dx . skip); dlambda: c (1 - c) 2 s (dx . skip)
+        const float c = sigmoid(lam), s = sigmoid(logit(p, t, 0));
+#pragma unroll
+        for (int v = 0; v < 3; ++v) {
+            float sk[8], acc[8];
+            tk::load8(p.dout + t * p.ld_dout + (v * 32 + lane) * 8, g[v]);
+            tk::load8(p.b + t * p.ld_b + (v * 32 + lane) * 8, sk);
+            tk::load8(p.db + t * p.ld_db + (v * 32 + lane) * 8, acc);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) dsum += g[v][e] * sk[e], acc[e] += c * 2.f * s * g[v][e];
+            tk::store8(p.db + t * p.ld_db + (v * 32 + lane) * 8, acc);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) dsum += __shfl_xor_sync(0xffffffffu, dsum, off);
+        if (lane == 0) {
+            p.dz[t] = c * 2.f * s * (1.f - s) * dsum;
+            p.dlam_rows[t] = c * (1.f - c) * 2.f * s * dsum;
+        }
+    }
+}
+
+// dx[t][j] += sum_h dz[t,h] w[h][j] for the 12 gate channels (dx may be the gradient of x itself)
+__global__ void gate_input_grad_kernel(const Params p, __nv_bfloat16* dx, int64_t ld_dx) {
+    const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (i >= (int64_t)p.tokens * GW) return;
+    const int t = (int)(i / GW), j = (int)(i % GW);
+    float s = __bfloat162float(dx[t * ld_dx + j]);
+    for (int h = 0; h < p.heads; ++h) s += p.dz[(int64_t)t * p.heads + h] * __bfloat162float(p.w[h * GW + j]);
+    dx[t * ld_dx + j] = __float2bfloat16(s);
+}
+
+// dw[h][j] += sum_t dz[t,h] x[t][j] (bf16 gradient), and *dlambda += sum_t dlam_rows[t]: one block
+// per output, tokens summed in a fixed order
+__global__ void gate_weight_grad_kernel(const Params p, __nv_bfloat16* dw, float* dlambda) {
+    __shared__ float red[32];
+    const int o = blockIdx.x;  // heads * 12 weights, then the lambda
+    const bool lam = o == p.heads * GW;
+    const int h = o / GW, j = o % GW;
+    float s = 0.f;
+    for (int t = threadIdx.x; t < p.tokens; t += blockDim.x)
+        s += lam ? p.dlam_rows[t] : p.dz[(int64_t)t * p.heads + h] * __bfloat162float(p.x[t * p.ld_x + j]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = 0.f;
+        for (int w = 0; w < (int)blockDim.x / 32; ++w) total += red[w];
+        if (lam) *dlambda += total;
+        else dw[h * GW + j] = __float2bfloat16(__bfloat162float(dw[h * GW + j]) + total);
+    }
+}
+
+}  // namespace gate
+
+enum class GateKind { ValueEmbedding, Output, Smear, Skip };
+
+inline cudaError_t gate_forward(GateKind kind, const gate::Params& p, cudaStream_t stream) {
+    const int64_t warps = kind == GateKind::ValueEmbedding || kind == GateKind::Output ? (int64_t)p.tokens * p.heads : p.tokens;
+    const unsigned blocks = (unsigned)((warps + 7) / 8);
+    switch (kind) {
+        case GateKind::ValueEmbedding: gate::head_fwd_kernel<gate::VE><<<blocks, 256, 0, stream>>>(p); break;
+        case GateKind::Output: gate::head_fwd_kernel<gate::OUT><<<blocks, 256, 0, stream>>>(p); break;
+        case GateKind::Smear: gate::row_fwd_kernel<gate::SMEAR><<<blocks, 256, 0, stream>>>(p); break;
+        case GateKind::Skip: gate::row_fwd_kernel<gate::SKIP><<<blocks, 256, 0, stream>>>(p); break;
+    }
+    return cudaGetLastError();
+}
+
+// Row gradients, then dx[:, :12] (the gate's input, ld_dx) += dz w, then dw and dlambda (smear,
+// skip) reduced over the tokens. p.dz and p.dlam_rows are workspaces of tokens x heads floats.
+inline cudaError_t gate_backward(GateKind kind, const gate::Params& p, __nv_bfloat16* dx, int64_t ld_dx,
+                                 __nv_bfloat16* dw, float* dlambda, cudaStream_t stream) {
+    const bool per_head = kind == GateKind::ValueEmbedding || kind == GateKind::Output;
+    const int64_t warps = per_head ? (int64_t)p.tokens * p.heads : p.tokens;
+    const unsigned blocks = (unsigned)((warps + 7) / 8);
+    switch (kind) {
+        case GateKind::ValueEmbedding: gate::head_bwd_kernel<gate::VE><<<blocks, 256, 0, stream>>>(p); break;
+        case GateKind::Output: gate::head_bwd_kernel<gate::OUT><<<blocks, 256, 0, stream>>>(p); break;
+        case GateKind::Smear: gate::row_bwd_kernel<gate::SMEAR><<<blocks, 256, 0, stream>>>(p); break;
+        case GateKind::Skip: gate::row_bwd_kernel<gate::SKIP><<<blocks, 256, 0, stream>>>(p); break;
+    }
+    gate::gate_input_grad_kernel<<<(unsigned)(((int64_t)p.tokens * gate::GW + 255) / 256), 256, 0, stream>>>(p, dx, ld_dx);
+    gate::gate_weight_grad_kernel<<<p.heads * gate::GW + (per_head ? 0 : 1), 256, 0, stream>>>(p, dw, dlambda);
+    return cudaGetLastError();
+}

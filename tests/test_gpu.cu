@@ -888,9 +888,123 @@ static void embedding_case(int tokens, int vocab_used, uint64_t seed) {
           (int)gather_ok, (int)untouched_ok, e, (int)same);
 }
 
+// the four gates, forward and backward, against fp64 (z rounded to bf16 as the kernels do)
+static void gate_case(GateKind kind, int T, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    const bool per_head = kind == GateKind::ValueEmbedding || kind == GateKind::Output;
+    const int H = per_head ? 6 : 1, D = 768;
+    std::vector<uint16_t> x = random_bf16(rng, (size_t)T * D, 1.f), w = random_bf16(rng, (size_t)H * 12, 0.5f);
+    std::vector<uint16_t> a = random_bf16(rng, (size_t)T * D, 1.f), b = random_bf16(rng, (size_t)T * D, 1.f);
+    std::vector<uint16_t> dout = random_bf16(rng, (size_t)T * D, 1.f), db0 = random_bf16(rng, (size_t)T * D, 0.1f);
+    std::vector<uint16_t> dx0 = random_bf16(rng, (size_t)T * D, 0.1f), dw0 = random_bf16(rng, (size_t)H * 12, 0.1f);
+    const float lam = kind == GateKind::Smear ? 0.3f : -1.5f;
+    if (kind == GateKind::Smear) x = a;  // smear's gate reads the rows it smears
+    auto sig = [](double z) { return 1 / (1 + std::exp(-z)); };
+    auto zf = [&](int t, int h) {
+        double s = 0;
+        for (int j = 0; j < 12; ++j) s += (double)bf16_to_float(x[(size_t)t * D + j]) * bf16_to_float(w[h * 12 + j]);
+        return (double)rb(s);
+    };
+    auto F = [&](const std::vector<uint16_t>& v, int t, int c) { return (double)bf16_to_float(v[(size_t)t * D + c]); };
+    std::vector<double> fwd((size_t)T * D), da((size_t)T * D), db((size_t)T * D), dz((size_t)T * H, 0.0), dlam_rows(T, 0.0);
+    for (int t = 0; t < T; ++t)
+        for (int c = 0; c < D; ++c) {
+            const int h = per_head ? c / 128 : 0;
+            const double s = sig(zf(t, h));
+            switch (kind) {
+                case GateKind::ValueEmbedding: fwd[(size_t)t * D + c] = F(a, t, c) + 2 * s * F(b, t, c); break;
+                case GateKind::Output: fwd[(size_t)t * D + c] = F(a, t, c) * s; break;
+                case GateKind::Smear: fwd[(size_t)t * D + c] = F(a, t, c) + (t ? lam * s * F(a, t - 1, c) : 0); break;
+                case GateKind::Skip: fwd[(size_t)t * D + c] = F(a, t, c) + sig(lam) * 2 * s * F(b, t, c); break;
+            }
+        }
+    for (int t = 0; t < T; ++t)
+        for (int h = 0; h < H; ++h) {
+            const double s = sig(zf(t, h));
+            double d = 0;
+            const int c0 = per_head ? h * 128 : 0, c1 = per_head ? c0 + 128 : D;
+            for (int c = c0; c < c1; ++c) {
+                const double g = F(dout, t, c);
+                switch (kind) {
+                    case GateKind::ValueEmbedding: d += g * F(b, t, c), db[(size_t)t * D + c] = F(db0, t, c) + 2 * s * g; break;
+                    case GateKind::Output: d += g * F(a, t, c), da[(size_t)t * D + c] = g * s; break;
+                    case GateKind::Smear:
+                        if (t) d += g * F(a, t - 1, c);
+                        da[(size_t)t * D + c] = g + (t + 1 < T ? lam * sig(zf(t + 1, 0)) * F(dout, t + 1, c) : 0);
+                        break;
+                    case GateKind::Skip: d += g * F(b, t, c), db[(size_t)t * D + c] = F(db0, t, c) + sig(lam) * 2 * s * g; break;
+                }
+            }
+            switch (kind) {
+                case GateKind::ValueEmbedding: dz[(size_t)t * H + h] = d * 2 * s * (1 - s); break;
+                case GateKind::Output: dz[(size_t)t * H + h] = d * s * (1 - s); break;
+                case GateKind::Smear: dz[t] = t ? lam * s * (1 - s) * d : 0, dlam_rows[t] = t ? s * d : 0; break;
+                case GateKind::Skip:
+                    dz[t] = sig(lam) * 2 * s * (1 - s) * d, dlam_rows[t] = sig(lam) * (1 - sig(lam)) * 2 * s * d;
+                    break;
+            }
+        }
+    // the gate input's gradient: smear adds into da (the gradient of x); the others into dx0
+    std::vector<double> dx_ref((size_t)T * 12), dw_ref(H * 12), dlam_ref(1, 0.0);
+    for (int t = 0; t < T; ++t)
+        for (int j = 0; j < 12; ++j) {
+            double s = kind == GateKind::Smear ? da[(size_t)t * D + j] : F(dx0, t, j);
+            for (int h = 0; h < H; ++h) s += dz[(size_t)t * H + h] * bf16_to_float(w[h * 12 + j]);
+            dx_ref[(size_t)t * 12 + j] = s;
+        }
+    for (int h = 0; h < H; ++h)
+        for (int j = 0; j < 12; ++j) {
+            double s = bf16_to_float(dw0[h * 12 + j]);
+            for (int t = 0; t < T; ++t) s += dz[(size_t)t * H + h] * F(x, t, j);
+            dw_ref[h * 12 + j] = s;
+        }
+    for (int t = 0; t < T; ++t) dlam_ref[0] += dlam_rows[t];
+
+    DeviceArray<uint16_t> dxg(x), dwg(w), dag(a), dbg(b), doutg(dout), outg((size_t)T * D), dag2((size_t)T * D), dbg2(db0),
+        dx0g(dx0), dwgr(dw0);
+    DeviceArray<float> lamg(std::vector<float>{lam}), dzg((size_t)T * H), dlr(T), dlam(std::vector<float>{0.f});
+    outg.poison(), dag2.poison();
+    auto bf = [](uint16_t* p) { return reinterpret_cast<__nv_bfloat16*>(p); };
+    gate::Params p{};
+    p.tokens = T, p.heads = H, p.x = bf(dxg.ptr), p.ld_x = D, p.w = bf(dwg.ptr), p.lambda = lamg.ptr;
+    p.a = bf(dag.ptr), p.ld_a = D, p.b = bf(dbg.ptr), p.ld_b = D, p.out = bf(outg.ptr), p.ld_out = D;
+    p.dout = bf(doutg.ptr), p.ld_dout = D, p.da = bf(dag2.ptr), p.db = bf(dbg2.ptr), p.ld_da = D, p.ld_db = D;
+    p.dz = dzg.ptr, p.dlam_rows = dlr.ptr;
+    if (kind == GateKind::Smear) p.x = p.a;
+    CUDA_CHECK(gate_backward(kind, p, kind == GateKind::Smear ? p.da : bf(dx0g.ptr), D, bf(dwgr.ptr), dlam.ptr, 0));
+    CUDA_CHECK(gate_forward(kind, p, 0));  // after the backward: v and x are updated in place
+    CUDA_CHECK(cudaDeviceSynchronize());
+    auto widen = [&](const std::vector<uint16_t>& v, int cols, int take) {
+        std::vector<double> o;
+        for (int t = 0; t < T; ++t)
+            for (int c = 0; c < take; ++c) o.push_back(bf16_to_float(v[(size_t)t * cols + c]));
+        return o;
+    };
+    const bool in_place = kind == GateKind::ValueEmbedding || kind == GateKind::Skip;
+    double e_f = rel_err_d(widen(in_place ? dag.download() : outg.download(), D, D), fwd);
+    double e_a = 0, e_b = 0;
+    if (kind == GateKind::Output || kind == GateKind::Smear) {
+        std::vector<double> got = widen(dag2.download(), D, D), ref = da;
+        if (kind == GateKind::Smear)  // its first 12 channels also hold the gate input's gradient (checked below)
+            for (int t = 0; t < T; ++t)
+                for (int j = 0; j < 12; ++j) got[(size_t)t * D + j] = ref[(size_t)t * D + j] = 0;
+        e_a = rel_err_d(got, ref);
+    }
+    if (kind == GateKind::ValueEmbedding || kind == GateKind::Skip) e_b = rel_err_d(widen(dbg2.download(), D, D), db);
+    double e_x = rel_err_d(widen(kind == GateKind::Smear ? dag2.download() : dx0g.download(), D, 12), dx_ref);
+    std::vector<uint16_t> dwgot = dwgr.download();
+    std::vector<double> dwd(dwgot.size());
+    for (size_t i = 0; i < dwd.size(); ++i) dwd[i] = bf16_to_float(dwgot[i]);
+    double e_w = rel_err_d(dwd, dw_ref);
+    double e_l = per_head ? 0 : std::fabs(dlam.download()[0] - dlam_ref[0]) / std::max(1e-12, std::fabs(dlam_ref[0]));
+    const char* names[] = {"value-embedding gate", "output gate", "smear", "skip"};
+    printf("  %-22s T %5d  rel err: out %.1e da %.1e db %.1e dx[:12] %.1e dw %.1e dlambda %.1e\n", names[(int)kind], T,
+           e_f, e_a, e_b, e_x, e_w, e_l);
+    CHECK(e_f < 1e-2 && e_a < 1e-2 && e_b < 1e-2 && e_x < 1e-2 && e_w < 1e-2 && e_l < 1e-3,
+          "%s differs from the fp64 reference", names[(int)kind]);
+}
+
 static void test_optimizer_kernels() {
-    embedding_case(1001, 700, 37);
-    embedding_case(49152, 50304, 38);
     polar_express_case(3, 128, 256, 30);
     polar_express_case(2, 384, 128, 31);
     polar_express_case(1, 256, 256, 32);
@@ -901,6 +1015,9 @@ static void test_optimizer_kernels() {
 }
 
 static void test_model_kernels() {
+    embedding_case(1001, 700, 37);
+    embedding_case(49152, 50304, 38);
+    for (GateKind k : {GateKind::ValueEmbedding, GateKind::Output, GateKind::Smear, GateKind::Skip}) gate_case(k, 333, 40 + (int)k);
     relu2_case(8 * 1000 + 8 * 37, 20);
     fp8_cast_case(48, 80, false, false, 100.f / 448, 21);
     fp8_cast_case(96, 160, false, true, 1.6f / 448, 22);
