@@ -1426,7 +1426,7 @@ class EmbeddingBackward {
         size_t bytes = 0;
         cub::DeviceRadixSort::SortPairs(nullptr, bytes, (const int*)nullptr, (int*)nullptr, (const int*)nullptr,
                                         (int*)nullptr, max_tokens, 0, 16);
-        temp_bytes_ = bytes;
+        temp_bytes_ = (bytes + 255) / 256 * 256;  // the int arrays that follow stay aligned
         cudaError_t e = cudaMalloc(&temp_, temp_bytes_ + 4 * (size_t)max_tokens * sizeof(int));
         if (e != cudaSuccess) temp_ = nullptr;
         pos_ = reinterpret_cast<int*>(static_cast<char*>(temp_) + temp_bytes_);
