@@ -5,9 +5,10 @@
 // lm_head, fused soft-capped multi-token-prediction cross-entropy. Heavy kernels live in
 // triton_kernels.cu (named after the record's triton_kernels.py so the two map one to one).
 //
-// Reads top to bottom like the record: hyperparameters, helpers, (fp8 ops, optimizer, model),
-// data, training manager (schedules), logging, main. Both sources are embedded in the binary at
-// build time and written at the top of every log, so a log always holds the code that ran.
+// Reads top to bottom like the record: hyperparameters, helpers (errors, flags), GEMMs and fp8
+// ops, optimizer, (model), data, training manager (schedules), logging, main. Both sources are
+// embedded in the binary at build time and written at the top of every log, so a log always holds
+// the code that ran.
 
 #define OMPI_SKIP_MPICXX 1  // the C API only
 #include <cuda_runtime.h>
@@ -811,138 +812,6 @@ class PolarExpress {
 };
 
 // -----------------------------------------------------------------------------
-// Training Management: the schedules of record 61, as pure functions of the step.
-
-// batch size schedule by equal parts of the scheduled steps, then the extension batch
-static int64_t get_bs(const Hyperparameters& a, int64_t step) {
-    if (step >= a.num_scheduled_iterations) return a.train_bs_extension;
-    double x = (double)step / (double)a.num_scheduled_iterations;
-    size_t idx = (size_t)((double)a.train_bs_schedule.size() * x);
-    return a.train_bs_schedule[idx];
-}
-
-struct Windows {
-    int64_t short_ws, long_ws;  // in blocks; the short window is half the long one
-    bool operator==(const Windows& o) const { return short_ws == o.short_ws && long_ws == o.long_ws; }
-};
-
-static Windows get_ws(const Hyperparameters& a, int64_t step) {
-    if (step >= a.num_scheduled_iterations) return {a.ws_final / 2, a.ws_final};
-    double x = (double)step / (double)a.num_scheduled_iterations;
-    size_t idx = (size_t)((double)a.ws_schedule.size() * x);
-    int64_t ws = a.ws_schedule[idx];
-    return {ws / 2, ws};
-}
-
-// lr multiplier: tied to the batch size schedule, with a linear cooldown at the end
-static double get_lr(const Hyperparameters& a, int64_t step) {
-    if (step > a.num_scheduled_iterations) return a.lr_min;
-    double x = (double)step / (double)a.num_scheduled_iterations;
-    double lr_max = a.lr_max_schedule[0];
-    const size_t n = a.lr_max_schedule.size();
-    for (size_t i = 1; i < n; ++i)
-        if (x > (double)i / (double)n) lr_max = a.lr_max_schedule[i];
-    if (x >= 1 - a.cooldown_frac) {
-        double w = (1 - x) / a.cooldown_frac;
-        return lr_max * w + (1 - w) * a.lr_min;
-    }
-    return lr_max;
-}
-
-// NorMuon momentum: linear warmup from min to max, linear cooldown back over the last steps
-static double get_muon_momentum(const Hyperparameters& a, int64_t step) {
-    int64_t cd_start = a.num_iterations() - a.muon_cooldown_steps;
-    if (step < a.muon_warmup_steps) {
-        double frac = (double)step / (double)a.muon_warmup_steps;
-        return a.momentum_min + frac * (a.momentum_max - a.momentum_min);
-    }
-    if (step > cd_start) {
-        double frac = (double)(step - cd_start) / (double)a.muon_cooldown_steps;
-        return a.momentum_max - frac * (a.momentum_max - a.momentum_min);
-    }
-    return a.momentum_max;
-}
-
-// Multi-token prediction weights (@varunneal): [1, .5, .25->0] -> [1, .5->0] -> [1], as fp32
-static std::vector<float> get_mtp_weights(const Hyperparameters& a, int64_t step) {
-    double x = (double)step / (double)a.num_scheduled_iterations;
-    if (x < 1.0 / 3) return {1.0f, 0.5f, (float)(0.25 * (1 - 3 * x))};
-    if (x < 2.0 / 3) return {1.0f, (float)(0.5 * (1 - (3 * x - 1)))};
-    return {1.0f};
-}
-
-// Adam parameters step only on odd steps; their gradients accumulate over two steps (@classiclarryd)
-static bool is_adam_step(int64_t step) { return step % 2 == 1; }
-
-// embed unties from lm_head at 2/3 of training, on an odd step so Adam updates (@classiclarryd)
-static int64_t get_split_step(const Hyperparameters& a) {
-    return (int64_t)std::ceil(a.split_embed_frac * (double)a.num_scheduled_iterations) | 1;
-}
-
-// steps at which the long window changes (each needs a YaRN update)
-static std::vector<int64_t> get_transition_steps(const Hyperparameters& a) {
-    std::vector<int64_t> steps;
-    int64_t ws_long = get_ws(a, 0).long_ws;
-    for (int64_t step = 1; step < a.num_iterations(); ++step) {
-        int64_t w = get_ws(a, step).long_ws;
-        if (w != ws_long) {
-            steps.push_back(step);
-            ws_long = w;
-        }
-    }
-    return steps;
-}
-
-// untimed warmup: the first steps and each transition +-1, then an exact reset of the state
-static std::vector<int64_t> get_warmup_steps(const Hyperparameters& a) {
-    std::vector<int64_t> steps = {0, 1, 2};
-    for (int64_t s : get_transition_steps(a))
-        for (int64_t off : {-1, 0, 1})
-            if (s + off >= 0) steps.push_back(s + off);
-    std::sort(steps.begin(), steps.end());
-    steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
-    return steps;
-}
-
-// YaRN (@YouJiacheng's half-truncated RoPE with base-frequency tuning; YaRN updates on window
-// changes). State is the fp32 angular frequency per head dim and the attention scale; the
-// cos/sin tables are built from it on the GPU.
-struct YarnState {
-    std::vector<float> angular_freq;  // HEAD_DIM entries: HEAD_DIM/4 freqs, each twice, then zeros
-    double attn_scale;
-};
-
-static YarnState yarn_reset(const Hyperparameters& a) {
-    YarnState y;
-    const int n = HEAD_DIM / 4;
-    const float step = 1.0f / (float)(n - 1);
-    for (int i = 0; i < n; ++i) {
-        // linspace(0, 1, n) in fp32, computed from both ends as PyTorch does
-        float t = i < n / 2 ? (float)i * step : 1.0f - (float)(n - 1 - i) * step;
-        float f = powf(1.0f / 1024.0f, t);
-        y.angular_freq.push_back(f);
-        y.angular_freq.push_back(f);
-    }
-    y.angular_freq.resize(HEAD_DIM, 0.0f);
-    y.attn_scale = a.attn_scale_init;
-    return y;
-}
-
-static void yarn_apply(const Hyperparameters& a, YarnState& y, int64_t old_window, int64_t new_window) {
-    // fp32 arithmetic in the record's order (a division by a scalar is a product with its inverse)
-    const float inv_two_pi = 1.0f / (float)(2 * M_PI);
-    const float inv_ramp = 1.0f / (float)(a.yarn_beta - a.yarn_alpha);
-    const double scaling_factor = (double)old_window / (double)new_window;
-    for (float& f : y.angular_freq) {
-        float rotations = (float)(a.block_size * old_window) * f * inv_two_pi;
-        float w = (rotations - (float)a.yarn_alpha) * inv_ramp;
-        w = std::min(1.0f, std::max(0.0f, w));
-        f *= (float)scaling_factor + w * (float)(1 - scaling_factor);
-    }
-    y.attn_scale *= 0.2 * std::log((double)new_window / (double)old_window) + 1;
-}
-
-// -----------------------------------------------------------------------------
 // Distributed data loader. Shards: 256 int32 header words (magic, version, token count), then
 // uint16 tokens. Reproduces the record's loader token for token at every world size: BOS-aligned
 // training batches (@varunneal, @classiclarryd), unaligned validation batches.
@@ -1325,6 +1194,138 @@ class DistributedDataGenerator {
     HostBatch slots_[2];
     int slot_ = 0;
 };
+
+// -----------------------------------------------------------------------------
+// Training Management: the schedules of record 61, as pure functions of the step.
+
+// batch size schedule by equal parts of the scheduled steps, then the extension batch
+static int64_t get_bs(const Hyperparameters& a, int64_t step) {
+    if (step >= a.num_scheduled_iterations) return a.train_bs_extension;
+    double x = (double)step / (double)a.num_scheduled_iterations;
+    size_t idx = (size_t)((double)a.train_bs_schedule.size() * x);
+    return a.train_bs_schedule[idx];
+}
+
+struct Windows {
+    int64_t short_ws, long_ws;  // in blocks; the short window is half the long one
+    bool operator==(const Windows& o) const { return short_ws == o.short_ws && long_ws == o.long_ws; }
+};
+
+static Windows get_ws(const Hyperparameters& a, int64_t step) {
+    if (step >= a.num_scheduled_iterations) return {a.ws_final / 2, a.ws_final};
+    double x = (double)step / (double)a.num_scheduled_iterations;
+    size_t idx = (size_t)((double)a.ws_schedule.size() * x);
+    int64_t ws = a.ws_schedule[idx];
+    return {ws / 2, ws};
+}
+
+// lr multiplier: tied to the batch size schedule, with a linear cooldown at the end
+static double get_lr(const Hyperparameters& a, int64_t step) {
+    if (step > a.num_scheduled_iterations) return a.lr_min;
+    double x = (double)step / (double)a.num_scheduled_iterations;
+    double lr_max = a.lr_max_schedule[0];
+    const size_t n = a.lr_max_schedule.size();
+    for (size_t i = 1; i < n; ++i)
+        if (x > (double)i / (double)n) lr_max = a.lr_max_schedule[i];
+    if (x >= 1 - a.cooldown_frac) {
+        double w = (1 - x) / a.cooldown_frac;
+        return lr_max * w + (1 - w) * a.lr_min;
+    }
+    return lr_max;
+}
+
+// NorMuon momentum: linear warmup from min to max, linear cooldown back over the last steps
+static double get_muon_momentum(const Hyperparameters& a, int64_t step) {
+    int64_t cd_start = a.num_iterations() - a.muon_cooldown_steps;
+    if (step < a.muon_warmup_steps) {
+        double frac = (double)step / (double)a.muon_warmup_steps;
+        return a.momentum_min + frac * (a.momentum_max - a.momentum_min);
+    }
+    if (step > cd_start) {
+        double frac = (double)(step - cd_start) / (double)a.muon_cooldown_steps;
+        return a.momentum_max - frac * (a.momentum_max - a.momentum_min);
+    }
+    return a.momentum_max;
+}
+
+// Multi-token prediction weights (@varunneal): [1, .5, .25->0] -> [1, .5->0] -> [1], as fp32
+static std::vector<float> get_mtp_weights(const Hyperparameters& a, int64_t step) {
+    double x = (double)step / (double)a.num_scheduled_iterations;
+    if (x < 1.0 / 3) return {1.0f, 0.5f, (float)(0.25 * (1 - 3 * x))};
+    if (x < 2.0 / 3) return {1.0f, (float)(0.5 * (1 - (3 * x - 1)))};
+    return {1.0f};
+}
+
+// Adam parameters step only on odd steps; their gradients accumulate over two steps (@classiclarryd)
+static bool is_adam_step(int64_t step) { return step % 2 == 1; }
+
+// embed unties from lm_head at 2/3 of training, on an odd step so Adam updates (@classiclarryd)
+static int64_t get_split_step(const Hyperparameters& a) {
+    return (int64_t)std::ceil(a.split_embed_frac * (double)a.num_scheduled_iterations) | 1;
+}
+
+// steps at which the long window changes (each needs a YaRN update)
+static std::vector<int64_t> get_transition_steps(const Hyperparameters& a) {
+    std::vector<int64_t> steps;
+    int64_t ws_long = get_ws(a, 0).long_ws;
+    for (int64_t step = 1; step < a.num_iterations(); ++step) {
+        int64_t w = get_ws(a, step).long_ws;
+        if (w != ws_long) {
+            steps.push_back(step);
+            ws_long = w;
+        }
+    }
+    return steps;
+}
+
+// untimed warmup: the first steps and each transition +-1, then an exact reset of the state
+static std::vector<int64_t> get_warmup_steps(const Hyperparameters& a) {
+    std::vector<int64_t> steps = {0, 1, 2};
+    for (int64_t s : get_transition_steps(a))
+        for (int64_t off : {-1, 0, 1})
+            if (s + off >= 0) steps.push_back(s + off);
+    std::sort(steps.begin(), steps.end());
+    steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
+    return steps;
+}
+
+// YaRN (@YouJiacheng's half-truncated RoPE with base-frequency tuning; YaRN updates on window
+// changes). State is the fp32 angular frequency per head dim and the attention scale; the
+// cos/sin tables are built from it on the GPU.
+struct YarnState {
+    std::vector<float> angular_freq;  // HEAD_DIM entries: HEAD_DIM/4 freqs, each twice, then zeros
+    double attn_scale;
+};
+
+static YarnState yarn_reset(const Hyperparameters& a) {
+    YarnState y;
+    const int n = HEAD_DIM / 4;
+    const float step = 1.0f / (float)(n - 1);
+    for (int i = 0; i < n; ++i) {
+        // linspace(0, 1, n) in fp32, computed from both ends as PyTorch does
+        float t = i < n / 2 ? (float)i * step : 1.0f - (float)(n - 1 - i) * step;
+        float f = powf(1.0f / 1024.0f, t);
+        y.angular_freq.push_back(f);
+        y.angular_freq.push_back(f);
+    }
+    y.angular_freq.resize(HEAD_DIM, 0.0f);
+    y.attn_scale = a.attn_scale_init;
+    return y;
+}
+
+static void yarn_apply(const Hyperparameters& a, YarnState& y, int64_t old_window, int64_t new_window) {
+    // fp32 arithmetic in the record's order (a division by a scalar is a product with its inverse)
+    const float inv_two_pi = 1.0f / (float)(2 * M_PI);
+    const float inv_ramp = 1.0f / (float)(a.yarn_beta - a.yarn_alpha);
+    const double scaling_factor = (double)old_window / (double)new_window;
+    for (float& f : y.angular_freq) {
+        float rotations = (float)(a.block_size * old_window) * f * inv_two_pi;
+        float w = (rotations - (float)a.yarn_alpha) * inv_ramp;
+        w = std::min(1.0f, std::max(0.0f, w));
+        f *= (float)scaling_factor + w * (float)(1 - scaling_factor);
+    }
+    y.attn_scale *= 0.2 * std::log((double)new_window / (double)old_window) + 1;
+}
 
 // -----------------------------------------------------------------------------
 // Self-logging. The two sources are embedded at build time (TRAIN_GPT_SRC_DIR is set by the
