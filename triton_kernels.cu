@@ -1709,3 +1709,154 @@ inline cudaError_t gate_backward(GateKind kind, const gate::Params& p, __nv_bflo
     gate::gate_weight_grad_kernel<<<p.heads * gate::GW + (per_head ? 0 : 1), 256, 0, stream>>>(p, dw, dlambda);
     return cudaGetLastError();
 }
+
+// -----------------------------------------------------------------------------
+// Scalar-weighted sums of the residual stream and their gradients: out = ca x + cb y with each
+// coefficient c = (*ptr) * scale + constant read from device memory (the scalars parameter):
+//   residual mixing  x = resid_lambda[i] x + x0_lambda[i] x0   (layer 0 too: there x is x0)
+//   backout (@classiclarryd)   x = x - backout_lambda x_7
+// and the attention weights scaled by their sa lambdas (@shenberg): W' = bf16(lambda W).
+// Every scalar gradient is a dot product over many values, reduced in a fixed order: each of
+// DOT_BLOCKS blocks sums a fixed slice, then one block adds the partials in order.
+
+namespace scal {
+
+constexpr int DOT_BLOCKS = 264;
+
+struct Coef {
+    const float* ptr;  // null: the constant alone
+    float scale, constant;
+    __device__ float value() const { return (ptr ? *ptr * scale : 0.f) + constant; }
+};
+
+__global__ void combine_kernel(__nv_bfloat16* out, const __nv_bfloat16* x, const __nv_bfloat16* y, int64_t n8, Coef ca,
+                               Coef cb) {
+    const float a = ca.value(), b = cb.value();
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8; i += (int64_t)gridDim.x * blockDim.x) {
+        float fx[8], fy[8];
+        tk::load8(x + i * 8, fx);
+        tk::load8(y + i * 8, fy);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) fx[e] = a * fx[e] + b * fy[e];
+        tk::store8(out + i * 8, fx);
+    }
+}
+
+// dx (+)= ca dout, dy += cb dout; partial[0][block] = sum dout x, partial[1][block] = sum dout y
+__global__ void combine_bwd_kernel(const __nv_bfloat16* dout, const __nv_bfloat16* x, const __nv_bfloat16* y,
+                                   __nv_bfloat16* dx, bool dx_accumulate, __nv_bfloat16* dy, int64_t n8, Coef ca, Coef cb,
+                                   float* partial) {
+    const float a = ca.value(), b = cb.value();
+    float sx = 0.f, sy = 0.f;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8; i += (int64_t)gridDim.x * blockDim.x) {
+        float g[8], fx[8], fy[8], ax[8], ay[8];
+        tk::load8(dout + i * 8, g);
+        tk::load8(x + i * 8, fx);
+        tk::load8(y + i * 8, fy);
+        if (dx_accumulate) tk::load8(dx + i * 8, ax);
+        tk::load8(dy + i * 8, ay);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            sx += g[e] * fx[e], sy += g[e] * fy[e];
+            ax[e] = (dx_accumulate ? ax[e] : 0.f) + a * g[e];
+            ay[e] += b * g[e];
+        }
+        tk::store8(dx + i * 8, ax);
+        tk::store8(dy + i * 8, ay);
+    }
+    __shared__ float red[2][32];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        sx += __shfl_xor_sync(0xffffffffu, sx, off);
+        sy += __shfl_xor_sync(0xffffffffu, sy, off);
+    }
+    if ((threadIdx.x & 31) == 0) red[0][threadIdx.x / 32] = sx, red[1][threadIdx.x / 32] = sy;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float tx = 0.f, ty = 0.f;
+        for (int w = 0; w < (int)blockDim.x / 32; ++w) tx += red[0][w], ty += red[1][w];
+        partial[blockIdx.x] = tx, partial[DOT_BLOCKS + blockIdx.x] = ty;
+    }
+}
+
+// grad[k] += scale_k * sum of partial[k][*], in order (one thread per target)
+__global__ void finish_kernel(const float* partial, float* g0, float s0, float* g1, float s1) {
+    float* g = threadIdx.x == 0 ? g0 : g1;
+    if (!g) return;
+    float t = 0.f;
+    for (int i = 0; i < DOT_BLOCKS; ++i) t += partial[threadIdx.x * DOT_BLOCKS + i];
+    *g += t * (threadIdx.x == 0 ? s0 : s1);
+}
+
+__global__ void scale_weight_kernel(__nv_bfloat16* out, const __nv_bfloat16* w, int64_t n8, const float* lambda) {
+    const float l = *lambda;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8; i += (int64_t)gridDim.x * blockDim.x) {
+        float f[8];
+        tk::load8(w + i * 8, f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] *= l;
+        tk::store8(out + i * 8, f);
+    }
+}
+
+// dW += lambda dW' (bf16 gradient); partial[block] = sum dW' W
+__global__ void scale_weight_bwd_kernel(const float* dwp, const __nv_bfloat16* w, __nv_bfloat16* dw, int64_t n8,
+                                        const float* lambda, float* partial) {
+    const float l = *lambda;
+    float s = 0.f;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8; i += (int64_t)gridDim.x * blockDim.x) {
+        float f[8], acc[8];
+        tk::load8(w + i * 8, f);
+        tk::load8(dw + i * 8, acc);
+        const float4 g0 = reinterpret_cast<const float4*>(dwp)[2 * i], g1 = reinterpret_cast<const float4*>(dwp)[2 * i + 1];
+        const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s += g[e] * f[e], acc[e] += l * g[e];
+        tk::store8(dw + i * 8, acc);
+    }
+    __shared__ float red[32];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float t = 0.f;
+        for (int w2 = 0; w2 < (int)blockDim.x / 32; ++w2) t += red[w2];
+        partial[blockIdx.x] = t;
+    }
+}
+
+}  // namespace scal
+
+// out = ca x + cb y over n bf16 values (n a multiple of 8; out may alias x or y)
+inline cudaError_t combine(__nv_bfloat16* out, const __nv_bfloat16* x, const __nv_bfloat16* y, int64_t n, scal::Coef ca,
+                           scal::Coef cb, cudaStream_t stream) {
+    if (n % 8) return cudaErrorInvalidValue;
+    scal::combine_kernel<<<scal::DOT_BLOCKS, 256, 0, stream>>>(out, x, y, n / 8, ca, cb);
+    return cudaGetLastError();
+}
+// dx = ca dout (or += with dx_accumulate), dy += cb dout, and the coefficients' scalar gradients:
+// *ga += ca.scale * sum(dout x), *gb += cb.scale * sum(dout y) (null: not needed). partial: 2 x
+// DOT_BLOCKS floats of workspace.
+inline cudaError_t combine_backward(const __nv_bfloat16* dout, const __nv_bfloat16* x, const __nv_bfloat16* y,
+                                    __nv_bfloat16* dx, bool dx_accumulate, __nv_bfloat16* dy, int64_t n, scal::Coef ca,
+                                    scal::Coef cb, float* ga, float* gb, float* partial, cudaStream_t stream) {
+    if (n % 8) return cudaErrorInvalidValue;
+    scal::combine_bwd_kernel<<<scal::DOT_BLOCKS, 256, 0, stream>>>(dout, x, y, dx, dx_accumulate, dy, n / 8, ca, cb, partial);
+    scal::finish_kernel<<<1, 2, 0, stream>>>(partial, ga, ca.scale, gb, cb.scale);
+    return cudaGetLastError();
+}
+inline cudaError_t scale_weight(__nv_bfloat16* out, const __nv_bfloat16* w, int64_t n, const float* lambda,
+                                cudaStream_t stream) {
+    if (n % 8) return cudaErrorInvalidValue;
+    scal::scale_weight_kernel<<<scal::DOT_BLOCKS, 256, 0, stream>>>(out, w, n / 8, lambda);
+    return cudaGetLastError();
+}
+// dW += lambda dW' and *glambda += sum(dW' W), given dW' (fp32) of the scaled weight W' = lambda W
+inline cudaError_t scale_weight_backward(const float* dwp, const __nv_bfloat16* w, __nv_bfloat16* dw, int64_t n,
+                                         const float* lambda, float* glambda, float* partial, cudaStream_t stream) {
+    if (n % 8) return cudaErrorInvalidValue;
+    scal::scale_weight_bwd_kernel<<<scal::DOT_BLOCKS, 256, 0, stream>>>(dwp, w, dw, n / 8, lambda, partial);
+    scal::finish_kernel<<<1, 1, 0, stream>>>(partial, glambda, 1.f, nullptr, 0.f);
+    return cudaGetLastError();
+}

@@ -1004,6 +1004,76 @@ static void gate_case(GateKind kind, int T, uint64_t seed) {
           "%s differs from the fp64 reference", names[(int)kind]);
 }
 
+// residual mixing, backout and the sa-lambda weight scaling, with their scalar gradients
+static void scalar_ops_case(int64_t n, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<uint16_t> x = random_bf16(rng, n, 1.f), y = random_bf16(rng, n, 1.f), dout = random_bf16(rng, n, 1.f);
+    std::vector<uint16_t> dx0 = random_bf16(rng, n, 0.1f), dy0 = random_bf16(rng, n, 0.1f);
+    std::vector<float> scalars = {1.1f, 0.25f, 0.5f, 0.02f, -0.3f, 0.7f};  // resid, x0, backout; grads 0.02, -0.3, 0.7
+    DeviceArray<float> sc(scalars), partial(2 * scal::DOT_BLOCKS);
+    DeviceArray<uint16_t> dx(x), dy(y), ddout(dout), out(n), gdx(dx0), gdy(dy0);
+    out.poison();
+    auto bf = [](uint16_t* p) { return reinterpret_cast<__nv_bfloat16*>(p); };
+    // mixing: out = 1.1 x + 0.25 y; backward with dx accumulated
+    scal::Coef ca{sc.ptr + 0, 1.f, 0.f}, cb{sc.ptr + 1, 1.f, 0.f};
+    CUDA_CHECK(combine(bf(out.ptr), bf(dx.ptr), bf(dy.ptr), n, ca, cb, 0));
+    CUDA_CHECK(combine_backward(bf(ddout.ptr), bf(dx.ptr), bf(dy.ptr), bf(gdx.ptr), true, bf(gdy.ptr), n, ca, cb, sc.ptr + 3,
+                                sc.ptr + 4, partial.ptr, 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<double> o_ref(n), dx_ref(n), dy_ref(n), o, gx, gy;
+    double sx = 0, sy = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        double xv = bf16_to_float(x[i]), yv = bf16_to_float(y[i]), g = bf16_to_float(dout[i]);
+        o_ref[i] = 1.1 * xv + 0.25 * yv;
+        dx_ref[i] = bf16_to_float(dx0[i]) + 1.1 * g, dy_ref[i] = bf16_to_float(dy0[i]) + 0.25 * g;
+        sx += g * xv, sy += g * yv;
+    }
+    for (uint16_t v : out.download()) o.push_back(bf16_to_float(v));
+    for (uint16_t v : gdx.download()) gx.push_back(bf16_to_float(v));
+    for (uint16_t v : gdy.download()) gy.push_back(bf16_to_float(v));
+    std::vector<float> s = sc.download();
+    double e_o = rel_err_d(o, o_ref), e_x = rel_err_d(gx, dx_ref), e_y = rel_err_d(gy, dy_ref);
+    double e_la = std::fabs(s[3] - (0.02 + sx)) / std::fabs(0.02 + sx), e_lb = std::fabs(s[4] - (-0.3 + sy)) / std::fabs(-0.3 + sy);
+    // backout: out = x - 0.5 y, the lambda's gradient is -sum(dout y)
+    scal::Coef one{nullptr, 0.f, 1.f}, minus{sc.ptr + 2, -1.f, 0.f};
+    CUDA_CHECK(combine(bf(out.ptr), bf(dx.ptr), bf(dy.ptr), n, one, minus, 0));
+    gdy.upload(dy0);
+    CUDA_CHECK(combine_backward(bf(ddout.ptr), bf(dx.ptr), bf(dy.ptr), bf(gdx.ptr), false, bf(gdy.ptr), n, one, minus,
+                                nullptr, sc.ptr + 5, partial.ptr, 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<double> o2, o2_ref(n);
+    for (int64_t i = 0; i < n; ++i) o2_ref[i] = bf16_to_float(x[i]) - 0.5 * bf16_to_float(y[i]);
+    for (uint16_t v : out.download()) o2.push_back(bf16_to_float(v));
+    double e_o2 = rel_err_d(o2, o2_ref);
+    s = sc.download();
+    double e_lc = std::fabs(s[5] - (0.7 - sy)) / std::fabs(0.7 - sy);
+    // weight scaling: W' = 1.1 W; dW += 1.1 dW', dlambda += sum dW' W
+    std::vector<float> dwp(n);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (auto& v : dwp) v = nd(rng);
+    DeviceArray<float> ddwp(dwp), glam(std::vector<float>{0.f});
+    DeviceArray<uint16_t> wp(n), dw(dx0);
+    wp.poison();
+    CUDA_CHECK(scale_weight(bf(wp.ptr), bf(dx.ptr), n, sc.ptr, 0));
+    CUDA_CHECK(scale_weight_backward(ddwp.ptr, bf(dx.ptr), bf(dw.ptr), n, sc.ptr, glam.ptr, partial.ptr, 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<double> w_got, w_ref(n), dw_got, dw_ref(n);
+    double sl = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        w_ref[i] = 1.1 * bf16_to_float(x[i]);
+        dw_ref[i] = bf16_to_float(dx0[i]) + 1.1 * dwp[i];
+        sl += (double)dwp[i] * bf16_to_float(x[i]);
+    }
+    for (uint16_t v : wp.download()) w_got.push_back(bf16_to_float(v));
+    for (uint16_t v : dw.download()) dw_got.push_back(bf16_to_float(v));
+    double e_w = rel_err_d(w_got, w_ref), e_dw = rel_err_d(dw_got, dw_ref), e_gl = std::fabs(glam.download()[0] - sl) / std::fabs(sl);
+    printf("  mixing/backout/scaling n %lld  rel err: out %.1e dx %.1e dy %.1e dlambdas %.1e %.1e %.1e backout %.1e W' %.1e dW %.1e "
+           "dlambda %.1e\n", (long long)n, e_o, e_x, e_y, e_la, e_lb, e_lc, e_o2, e_w, e_dw, e_gl);
+    CHECK(e_o < 1e-2 && e_x < 1e-2 && e_y < 1e-2 && e_la < 1e-4 && e_lb < 1e-4 && e_lc < 1e-4 && e_o2 < 1e-2 && e_w < 1e-2 &&
+              e_dw < 1e-2 && e_gl < 1e-4,
+          "scalar-weighted ops differ from the fp64 reference");
+}
+
 static void test_optimizer_kernels() {
     polar_express_case(3, 128, 256, 30);
     polar_express_case(2, 384, 128, 31);
@@ -1018,6 +1088,8 @@ static void test_model_kernels() {
     embedding_case(1001, 700, 37);
     embedding_case(49152, 50304, 38);
     for (GateKind k : {GateKind::ValueEmbedding, GateKind::Output, GateKind::Smear, GateKind::Skip}) gate_case(k, 333, 40 + (int)k);
+    scalar_ops_case(768 * 1001, 50);
+    scalar_ops_case(2304 * 768, 51);
     relu2_case(8 * 1000 + 8 * 37, 20);
     fp8_cast_case(48, 80, false, false, 100.f / 448, 21);
     fp8_cast_case(96, 160, false, true, 1.6f / 448, 22);
