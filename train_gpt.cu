@@ -33,6 +33,7 @@
 #include <map>
 #include <tuple>
 #include <memory>
+#include <random>
 #include <spawn.h>
 #include <stdexcept>
 #include <string>
@@ -812,6 +813,132 @@ class PolarExpress {
 };
 
 // -----------------------------------------------------------------------------
+// Model: the parameters, each bank in one allocation with its gradient beside it. (The forward and
+// backward passes come next.) Layer i's slices: attn_bank[attn_index(i)] holds rows q, k, v, o of
+// 768 each; mlp_bank[i] holds c_fc then c_proj (3072 x 768 each).
+
+static int attn_index(int layer) { return layer < 6 ? layer : layer - 1; }  // layer 6 has no attention
+static bool has_attention(int layer) { return layer != 6; }
+static bool paired_head(int layer) { return layer == 0 || layer == 2 || layer == 5 || layer == 9; }
+static bool long_window(int layer) { return layer == 3 || layer == 10; }
+
+// Offsets into scalars: resid lambdas, sa lambdas (2 per layer), smear, backout, skip, padding ones.
+constexpr int SCALAR_RESID = 0, SCALAR_SA = NUM_LAYERS, SCALAR_SMEAR = 3 * NUM_LAYERS, SCALAR_BACKOUT = SCALAR_SMEAR + 1,
+              SCALAR_SKIP = SCALAR_SMEAR + 2;
+
+static uint16_t bf16_bits(float f) {  // round to nearest even, as .bfloat16()
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) == 0x7f800000u) return (uint16_t)(u >> 16);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Initial values of one parameter on the host, as record 61 initialises them (@YouJiacheng's
+// scales): QKV rows uniform +-sqrt(3)/sqrt(768), O rows zero; c_fc uniform +-sqrt(3)/2/sqrt(768),
+// c_proj zero; lm_head normal(0, 0.005) and embed = lm_head^T; value embeddings, gates and x0
+// lambdas zero; scalars as listed above. Each parameter draws from its own stream of the seed,
+// so a run is reproducible from the seed in its log. bf16 parameters as raw bits, fp32 as floats.
+struct HostParam {
+    std::vector<uint16_t> bf16;
+    std::vector<float> fp32;
+};
+
+static HostParam init_param(const ParamShape& ps, uint64_t seed, const HostParam* lm_head = nullptr) {
+    HostParam hp;
+    const int64_t n = ps.numel();
+    std::mt19937_64 rng(seed ^ (std::hash<std::string>{}(ps.label) * 0x9E3779B97F4A7C15ull));
+    if (ps.fp32) {
+        hp.fp32.assign(n, 0.f);
+        if (ps.label == "scalars") {
+            for (int64_t i = 0; i < n; ++i) hp.fp32[i] = 1.f;  // padding
+            for (int i = 0; i < NUM_LAYERS; ++i) {
+                hp.fp32[SCALAR_RESID + i] = 1.1f;
+                hp.fp32[SCALAR_SA + 2 * i] = 0.5f, hp.fp32[SCALAR_SA + 2 * i + 1] = 1.0f;
+            }
+            hp.fp32[SCALAR_SMEAR] = 0.f, hp.fp32[SCALAR_BACKOUT] = 0.5f, hp.fp32[SCALAR_SKIP] = -1.5f;
+        }
+        return hp;
+    }
+    hp.bf16.assign(n, 0);
+    auto uniform = [&](int64_t begin, int64_t count, double bound) {
+        std::uniform_real_distribution<float> u((float)-bound, (float)bound);
+        for (int64_t i = begin; i < begin + count; ++i) hp.bf16[i] = bf16_bits(u(rng));
+    };
+    const double attn_bound = std::sqrt(3.0) / std::sqrt((double)MODEL_DIM), mlp_bound = 0.5 * attn_bound;
+    const int64_t mat = (int64_t)MODEL_DIM * MODEL_DIM;
+    if (ps.label == "attn") {
+        for (int64_t l = 0; l < ps.shape[0]; ++l) uniform(l * 4 * mat, 3 * mat, attn_bound);  // o rows stay zero
+    } else if (ps.label == "mlp") {
+        for (int64_t l = 0; l < ps.shape[0]; ++l) uniform(l * 2 * 4 * mat, 4 * mat, mlp_bound);  // c_proj stays zero
+    } else if (ps.label == "lm_head") {
+        std::normal_distribution<float> nd(0.f, 0.005f);
+        for (int64_t i = 0; i < n; ++i) hp.bf16[i] = bf16_bits(nd(rng));
+    } else if (ps.label == "embed") {
+        if (!lm_head) fail("embed is initialised as lm_head^T: initialise lm_head first");
+        for (int64_t v = 0; v < PADDED_VOCAB_SIZE; ++v)
+            for (int64_t d = 0; d < MODEL_DIM; ++d) hp.bf16[v * MODEL_DIM + d] = lm_head->bf16[d * PADDED_VOCAB_SIZE + v];
+    }  // value embeddings and gates: zero
+    return hp;
+}
+
+// The parameters on the GPU: one allocation per bank, and a gradient of the same type and layout.
+struct Param {
+    ParamShape shape;
+    void* data = nullptr;
+    void* grad = nullptr;
+    size_t bytes() const { return (size_t)shape.numel() * (shape.fp32 ? 4 : 2); }
+};
+
+class ParamStore {
+   public:
+    ParamStore(int world_size, uint64_t seed) {
+        HostParam lm_head_init;
+        std::vector<ParamShape> shapes = model_params(world_size);
+        // lm_head first: embed starts as its transpose
+        std::stable_partition(shapes.begin(), shapes.end(), [](const ParamShape& p) { return p.label == "lm_head"; });
+        for (const ParamShape& ps : shapes) {
+            Param p;
+            p.shape = ps;
+            HostParam init = init_param(ps, seed, &lm_head_init);
+            CUDA_CHECK(cudaMalloc(&p.data, p.bytes()));
+            CUDA_CHECK(cudaMalloc(&p.grad, p.bytes()));
+            CUDA_CHECK(cudaMemcpy(p.data, ps.fp32 ? (const void*)init.fp32.data() : (const void*)init.bf16.data(), p.bytes(),
+                                  cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemset(p.grad, 0, p.bytes()));
+            if (ps.label == "lm_head") lm_head_init = std::move(init);
+            params_.push_back(p);
+        }
+    }
+    ~ParamStore() {
+        for (Param& p : params_) {
+            CUDA_CHECK(cudaFree(p.data));
+            CUDA_CHECK(cudaFree(p.grad));
+        }
+    }
+    ParamStore(const ParamStore&) = delete;
+    ParamStore& operator=(const ParamStore&) = delete;
+
+    Param& operator[](const std::string& label) {
+        for (Param& p : params_)
+            if (p.shape.label == label) return p;
+        fail("no parameter '" + label + "'");
+    }
+    int64_t count() const {
+        int64_t n = 0;
+        for (const Param& p : params_) n += p.shape.numel();
+        return n;
+    }
+    size_t bytes() const {
+        size_t n = 0;
+        for (const Param& p : params_) n += 2 * p.bytes();
+        return n;
+    }
+
+   private:
+    std::vector<Param> params_;
+};
+
+// -----------------------------------------------------------------------------
 // Distributed data loader. Shards: 256 int32 header words (magic, version, token count), then
 // uint16 tokens. Reproduces the record's loader token for token at every world size: BOS-aligned
 // training batches (@varunneal, @classiclarryd), unaligned validation batches.
@@ -1514,6 +1641,13 @@ static std::string configuration_text(Hyperparameters& a, int world_size, const 
         scales += "," + format_double(y.attn_scale);
     }
     s += "yarn_attn_scales = " + scales + "\n";
+    std::string layers;
+    for (int i = 0; i < NUM_LAYERS; ++i) {
+        std::string l = has_attention(i) ? (paired_head(i) ? "paired-attn" : "attn") : "no-attn";
+        if (has_attention(i)) l += strprintf("[bank %d%s]", attn_index(i), long_window(i) ? ",long,key-offset" : "");
+        layers += strprintf("%s%d:%s+mlp", i ? " " : "", i, l.c_str());
+    }
+    s += "layers = " + layers + "\n";
     // the optimizer's view of every parameter (rank 0's shard)
     auto dims = [](const std::vector<int64_t>& v) {
         std::string r;
@@ -1623,6 +1757,11 @@ static int trainer_main(int argc, char** argv) {
     print0(configuration_text(args, world_size, data_path, command_line));
     print0(run_command("nvidia-smi 2>&1"));
     print0(LOG_RULE);
+
+    // The parameters, initialised from the seed (the model's passes come next)
+    ParamStore params(world_size, args.seed);
+    print0(strprintf("parameters: %lld in %zu banks, %.1f MiB with gradients", (long long)params.count(),
+                     model_params(world_size).size(), params.bytes() / 1048576.0), true);
 
     // Data: the first training steps and the first validation batch, uploaded to the GPU as the
     // training loop will do it.

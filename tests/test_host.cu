@@ -617,6 +617,69 @@ static void test_sharding() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// parameter initialisation
+
+static float bits_to_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static void test_init() {
+    std::vector<ParamShape> shapes = model_params(8);
+    auto shape_of = [&](const std::string& l) {
+        return *std::find_if(shapes.begin(), shapes.end(), [&](const ParamShape& p) { return p.label == l; });
+    };
+    HostParam sc = init_param(shape_of("scalars"), 1);
+    std::vector<float> want;
+    for (int i = 0; i < 11; ++i) want.push_back(1.1f);
+    for (int i = 0; i < 11; ++i) want.push_back(0.5f), want.push_back(1.0f);
+    for (float v : {0.f, 0.5f, -1.5f, 1.f, 1.f, 1.f, 1.f}) want.push_back(v);
+    CHECK(sc.fp32 == want, "scalars: resid 1.1, sa (0.5, 1), smear 0, backout 0.5, skip -1.5, padding ones");
+    CHECK(init_param(shape_of("x0_lambdas"), 1).fp32 == std::vector<float>(11, 0.f), "x0 lambdas zero");
+    for (const char* zero : {"ve0", "ve1", "ve2", "smear_gate", "skip_gate", "attn_gate_bank", "ve_gate_bank"}) {
+        HostParam z = init_param(shape_of(zero), 1);
+        CHECK(std::all_of(z.bf16.begin(), z.bf16.end(), [](uint16_t b) { return b == 0; }), "%s starts at zero", zero);
+    }
+    // a weight region: within the bound, mean ~0, variance ~bound^2/3; or all zero
+    auto region = [](const HostParam& hp, int64_t begin, int64_t count, double bound) {
+        double s = 0, ss = 0, mx = 0;
+        for (int64_t i = begin; i < begin + count; ++i) {
+            double v = bits_to_float(hp.bf16[i]);
+            s += v, ss += v * v, mx = std::max(mx, std::fabs(v));
+        }
+        const double mean = s / count, var = ss / count - mean * mean;
+        if (bound == 0) return mx == 0;
+        return mx <= bound * (1 + 1.0 / 128) && std::fabs(mean) < 0.01 * bound && std::fabs(var / (bound * bound / 3) - 1) < 0.01;
+    };
+    const int64_t mat = 768LL * 768;
+    const double b = std::sqrt(3.0) / std::sqrt(768.0);
+    HostParam attn = init_param(shape_of("attn"), 1);
+    bool ok = true;
+    for (int l = 0; l < 10; ++l) ok &= region(attn, l * 4 * mat, 3 * mat, b) && region(attn, l * 4 * mat + 3 * mat, mat, 0);
+    CHECK(ok, "attn bank: QKV rows uniform +-sqrt(3/768), O rows zero");
+    HostParam mlp = init_param(shape_of("mlp"), 1);
+    ok = true;
+    for (int l = 0; l < 12; ++l) ok &= region(mlp, l * 8 * mat, 4 * mat, b / 2) && region(mlp, l * 8 * mat + 4 * mat, 4 * mat, 0);
+    CHECK(ok, "mlp bank: c_fc uniform +-sqrt(3/768)/2, c_proj zero (the padding slot too)");
+    HostParam lm = init_param(shape_of("lm_head"), 1);
+    double ss = 0;
+    for (uint16_t v : lm.bf16) ss += (double)bits_to_float(v) * bits_to_float(v);
+    const double sd = std::sqrt(ss / lm.bf16.size());
+    CHECK(std::fabs(sd / 0.005 - 1) < 0.01, "lm_head std %.6f, want 0.005", sd);
+    HostParam em = init_param(shape_of("embed"), 1, &lm);
+    ok = true;
+    for (int64_t v = 0; v < 50304; v += 97)
+        for (int64_t d = 0; d < 768; ++d) ok &= em.bf16[v * 768 + d] == lm.bf16[d * 50304 + v];
+    CHECK(ok, "embed starts as lm_head^T");
+    expect_error("embed before lm_head", [&] { init_param(shape_of("embed"), 1); }, {"lm_head"});
+    CHECK(init_param(shape_of("lm_head"), 1).bf16 == lm.bf16, "the same seed gives the same weights");
+    CHECK(init_param(shape_of("lm_head"), 2).bf16 != lm.bf16, "another seed gives other weights");
+    CHECK(init_param(shape_of("ve_gate_bank"), 2).bf16 == init_param(shape_of("ve_gate_bank"), 1).bf16, "zeros whatever the seed");
+}
+
+// ---------------------------------------------------------------------------------------------
 // self-logging
 
 static void test_logging() {
@@ -760,6 +823,7 @@ int main(int argc, char** argv) {
                                                          {"loader", test_loader},
                                                          {"bad input", test_bad_input},
                                                          {"sharding", test_sharding},
+                                                         {"init", test_init},
                                                          {"logging", test_logging}};
     for (auto [name, fn] : groups) {
         int p = g_passed, f = g_failed;
