@@ -918,6 +918,7 @@ class ParamStore {
     ParamStore(const ParamStore&) = delete;
     ParamStore& operator=(const ParamStore&) = delete;
 
+    std::vector<Param>& all() { return params_; }
     Param& operator[](const std::string& label) {
         for (Param& p : params_)
             if (p.shape.label == label) return p;
@@ -936,6 +937,238 @@ class ParamStore {
 
    private:
     std::vector<Param> params_;
+};
+
+// YaRN (@YouJiacheng's half-truncated RoPE with base-frequency tuning; YaRN updates on window
+// changes). State is the fp32 angular frequency per head dim and the attention scale; the
+// cos/sin tables are built from it on the GPU.
+struct YarnState {
+    std::vector<float> angular_freq;  // HEAD_DIM entries: HEAD_DIM/4 freqs, each twice, then zeros
+    double attn_scale;
+};
+
+static YarnState yarn_reset(const Hyperparameters& a) {
+    YarnState y;
+    const int n = HEAD_DIM / 4;
+    const float step = 1.0f / (float)(n - 1);
+    for (int i = 0; i < n; ++i) {
+        // linspace(0, 1, n) in fp32, computed from both ends as PyTorch does
+        float t = i < n / 2 ? (float)i * step : 1.0f - (float)(n - 1 - i) * step;
+        float f = powf(1.0f / 1024.0f, t);
+        y.angular_freq.push_back(f);
+        y.angular_freq.push_back(f);
+    }
+    y.angular_freq.resize(HEAD_DIM, 0.0f);
+    y.attn_scale = a.attn_scale_init;
+    return y;
+}
+
+static void yarn_apply(const Hyperparameters& a, YarnState& y, int64_t old_window, int64_t new_window) {
+    // fp32 arithmetic in the record's order (a division by a scalar is a product with its inverse)
+    const float inv_two_pi = 1.0f / (float)(2 * M_PI);
+    const float inv_ramp = 1.0f / (float)(a.yarn_beta - a.yarn_alpha);
+    const double scaling_factor = (double)old_window / (double)new_window;
+    for (float& f : y.angular_freq) {
+        float rotations = (float)(a.block_size * old_window) * f * inv_two_pi;
+        float w = (rotations - (float)a.yarn_alpha) * inv_ramp;
+        w = std::min(1.0f, std::max(0.0f, w));
+        f *= (float)scaling_factor + w * (float)(1 - scaling_factor);
+    }
+    y.attn_scale *= 0.2 * std::log((double)new_window / (double)old_window) + 1;
+}
+
+constexpr float RMS_NORM_EPS = 1.1920929e-07f;  // F.rms_norm's default for bf16 input (fp32 epsilon)
+
+// What changes between forward passes (the record's ForwardScheduleConfig plus the YaRN state).
+struct ForwardArgs {
+    bool training = true;               // fp8 lm_head and the MTP loss; else bf16 and the mean loss
+    std::vector<float> mtp_weights{1.f};
+    int64_t ws_short = 1, ws_long = 3;  // attention windows, in blocks of block_size tokens
+    YarnState yarn;
+    float loss_scale = 1.f;             // training: 1 / grad_accum_steps (the loss is a sum)
+};
+
+// The record-61 model's forward pass over one micro-batch (the backward comes next).
+class Model {
+   public:
+    Model(ParamStore& params, Gemms& gemms, const Hyperparameters& args, int max_tokens, int max_cu_len)
+        : p_(params), gemms_(gemms), args_(args), max_tokens_(max_tokens), max_cu_(max_cu_len) {
+        const int64_t T = max_tokens, D = MODEL_DIM;
+        auto bf = [&](int64_t n) { return alloc<__nv_bfloat16>(n); };
+        emb_ = bf(T * D), x_ = bf(T * D), x0_ = bf(T * D), skip_ = bf(T * D), backout_ = bf(T * D), xn_ = bf(T * D);
+        for (auto& v : ve_) v = bf(T * D);
+        qkv_ = bf(T * 3 * D), q_ = bf(T * D), k_ = bf(T * D), v_ = bf(T * D), y_ = bf(T * D), yg_ = bf(T * D);
+        pre_ = bf(T * 4 * D), post_ = bf(T * 4 * D);
+        wqkv_ = bf(3 * D * D), wo_ = bf(D * D);
+        lse_ = alloc<float>(NUM_HEADS * T);
+        tiles_ = (int4*)alloc<unsigned char>(attention_tiles_bytes(2 * max_tokens, max_cu_len));
+        xf8_ = alloc<uint8_t>(T * D), wf8_ = alloc<uint8_t>((int64_t)PADDED_VOCAB_SIZE * D);
+        logits_ = bf((int64_t)LOGIT_ROWS * PADDED_VOCAB_SIZE);
+        losses_ = alloc<float>(T), loss_ = alloc<float>(1);
+        x_scale_ = alloc<float>(1), w_scale_ = alloc<float>(1);
+        const float xs = (float)args.lm_head_x_s, ws = (float)args.lm_head_w_s;
+        CUDA_CHECK(cudaMemcpy(x_scale_, &xs, 4, cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemcpy(w_scale_, &ws, 4, cudaMemcpyHostToDevice));
+    }
+    ~Model() {
+        for (void* b : buffers_) CUDA_CHECK(cudaFree(b));
+    }
+    Model(const Model&) = delete;
+    Model& operator=(const Model&) = delete;
+
+    // tokens: T + 1 ids (inputs tokens[0, T), targets tokens[1, T]); cu: cu_len cu_seqlens. Returns
+    // the loss (training: the MTP loss summed over tokens times loss_scale; evaluation: the mean).
+    float forward(const int32_t* tokens, const int32_t* cu, int cu_len, int T, const ForwardArgs& fa, cudaStream_t s) {
+        if (T > max_tokens_ || cu_len > max_cu_) fail(strprintf("forward: %d tokens / %d cu_seqlens exceed %d / %d", T, cu_len, max_tokens_, max_cu_));
+        const int64_t D = MODEL_DIM, TD = (int64_t)T * D;
+        float* scalars = (float*)p_["scalars"].data;
+        float* x0_lambdas = (float*)p_["x0_lambdas"].data;
+        const __nv_bfloat16* attn_bank = bf(p_["attn"].data);
+        const __nv_bfloat16* mlp_bank = bf(p_["mlp"].data);
+        const __nv_bfloat16* attn_gates = bf(p_["attn_gate_bank"].data);
+        const __nv_bfloat16* ve_gates = bf(p_["ve_gate_bank"].data);
+
+        // embeddings; value embeddings 0, 1, 2 (the 012 ... 012 structure of @YouJiacheng, less layers 2-7)
+        CUDA_CHECK(embedding_forward(tokens, T, bf(p_["embed"].data), emb_, D, s));
+        for (int k = 0; k < 3; ++k)
+            CUDA_CHECK(embedding_forward(tokens, T, bf(p_["ve" + std::to_string(k)].data), ve_[k], D, s));
+        // smear the token embedding forward one position, then x = x0 = norm(x)
+        gate::Params sm = row_gate(T, emb_, bf(p_["smear_gate"].data), scalars + SCALAR_SMEAR);
+        sm.a = emb_, sm.out = x_;
+        CUDA_CHECK(gate_forward(GateKind::Smear, sm, s));
+        CUDA_CHECK(rms_norm_forward(x_, D, x0_, D, nullptr, T, D, RMS_NORM_EPS, s));
+        CUDA_CHECK(cudaMemcpyAsync(x_, x0_, TD * 2, cudaMemcpyDeviceToDevice, s));
+
+        for (int i = 0; i < NUM_LAYERS; ++i) {
+            if (i == 6) {  // skip from layer 3's output, gated by x0 (U-net)
+                gate::Params sk = row_gate(T, x0_, bf(p_["skip_gate"].data), scalars + SCALAR_SKIP);
+                sk.a = x_, sk.b = skip_;
+                CUDA_CHECK(gate_forward(GateKind::Skip, sk, s));
+            }
+            CUDA_CHECK(combine(x_, x_, x0_, TD, {scalars + SCALAR_RESID + i, 1.f, 0.f}, {x0_lambdas + i, 1.f, 0.f}, s));
+            if (has_attention(i)) attention_block(i, T, cu, cu_len, fa, s, attn_bank, attn_gates, ve_gates, scalars);
+            // MLP: x += relu(norm(x) c_fc^T)^2 c_proj
+            const __nv_bfloat16* c_fc = mlp_bank + (int64_t)i * 2 * 4 * D * D;
+            const __nv_bfloat16* c_proj = c_fc + 4 * D * D;
+            CUDA_CHECK(rms_norm_forward(x_, D, xn_, D, nullptr, T, D, RMS_NORM_EPS, s));
+            gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, xn_, D, c_fc, D, pre_, 4 * D, false);
+            CUDA_CHECK(relu_square_forward(pre_, post_, (int64_t)T * 4 * D, s));
+            gemms_.bf16(s, Op::N, Op::N, T, D, 4 * D, post_, 4 * D, c_proj, D, x_, D, false, 1.f, 1.f);
+            if (i == 3) CUDA_CHECK(cudaMemcpyAsync(skip_, x_, TD * 2, cudaMemcpyDeviceToDevice, s));
+            if (i == 7) CUDA_CHECK(cudaMemcpyAsync(backout_, x_, TD * 2, cudaMemcpyDeviceToDevice, s));
+        }
+        // back out layers 0-7's contribution (@classiclarryd), final norm
+        CUDA_CHECK(combine(x_, x_, backout_, TD, {nullptr, 0.f, 1.f}, {scalars + SCALAR_BACKOUT, -1.f, 0.f}, s));
+        CUDA_CHECK(rms_norm_forward(x_, D, xn_, D, nullptr, T, D, RMS_NORM_EPS, s));
+        return head_and_loss(tokens + 1, T, fa, s);
+    }
+
+   private:
+    static constexpr int LOGIT_ROWS = 8192;  // the logits are made and consumed in chunks of rows
+
+    template <typename T>
+    T* alloc(int64_t n) {
+        void* p;
+        CUDA_CHECK(cudaMalloc(&p, std::max<int64_t>(n, 1) * sizeof(T)));
+        buffers_.push_back(p);
+        return (T*)p;
+    }
+    static __nv_bfloat16* bf(void* p) { return (__nv_bfloat16*)p; }
+
+    gate::Params row_gate(int T, const __nv_bfloat16* x, const __nv_bfloat16* w, const float* lambda) {
+        gate::Params g{};
+        g.tokens = T, g.heads = 1, g.x = x, g.ld_x = MODEL_DIM, g.w = w, g.lambda = lambda;
+        g.ld_a = g.ld_b = g.ld_out = MODEL_DIM;
+        return g;
+    }
+
+    // x += O(gate(attention(rope(norm(q)), rope(norm(k)), v + ve gate))) of norm(x)
+    void attention_block(int i, int T, const int32_t* cu, int cu_len, const ForwardArgs& fa, cudaStream_t s,
+                         const __nv_bfloat16* attn_bank, const __nv_bfloat16* attn_gates,
+                         const __nv_bfloat16* ve_gates, float* scalars) {
+        const int64_t D = MODEL_DIM;
+        const int j = attn_index(i);
+        const __nv_bfloat16* w = attn_bank + (int64_t)j * 4 * D * D;
+        const bool paired = paired_head(i), lw = long_window(i);
+        CUDA_CHECK(rms_norm_forward(x_, D, xn_, D, nullptr, T, D, RMS_NORM_EPS, s));
+        // sa lambdas pre-multiply the QKV and O weights (@shenberg)
+        CUDA_CHECK(scale_weight(wqkv_, w, 3 * D * D, scalars + SCALAR_SA + 2 * i, s));
+        gemms_.bf16(s, Op::N, Op::T, T, 3 * D, D, xn_, D, wqkv_, D, qkv_, 3 * D, false);
+        qkrope::Params qr{};
+        qr.qkv = qkv_, qr.ld = 3 * D, qr.q = q_, qr.k = k_, qr.tokens = T, qr.heads = NUM_HEADS;
+        for (int f = 0; f < 32; ++f) qr.freq[f] = fa.yarn.angular_freq[2 * f];
+        qr.eps = RMS_NORM_EPS, qr.paired = paired, qr.key_offset = lw;
+        CUDA_CHECK(qk_norm_rope_forward(qr, s));
+        CUDA_CHECK(cudaMemcpy2DAsync(v_, D * 2, qkv_ + 2 * D, 3 * D * 2, D * 2, T, cudaMemcpyDeviceToDevice, s));
+        // value embeddings on layers 0, 1 (ve1, ve2) and 8, 9, 10 (ve0, ve1, ve2)
+        const int ve_slot = i == 0 ? 1 : i == 1 ? 2 : i >= 8 ? i - 8 : -1;
+        const int ve_bank = i < 2 ? i : i >= 8 ? i - 6 : -1;
+        if (ve_slot >= 0) {
+            gate::Params vg{};
+            vg.tokens = T, vg.heads = NUM_HEADS, vg.x = xn_, vg.ld_x = D, vg.w = ve_gates + ve_bank * NUM_HEADS * gate::GW;
+            vg.a = v_, vg.ld_a = D, vg.b = ve_[ve_slot], vg.ld_b = D;
+            CUDA_CHECK(gate_forward(GateKind::ValueEmbedding, vg, s));
+        }
+        attn::Params ap{};
+        ap.q = q_, ap.k = k_, ap.v = v_;
+        ap.q_stride = ap.k_stride = ap.v_stride = paired ? D / 2 : D;
+        ap.o = y_, ap.o_stride = paired ? D / 2 : D, ap.lse = lse_;
+        ap.cu_seqlens = cu, ap.cu_len = cu_len, ap.cu_mult = paired ? 2 : 1;
+        ap.positions = paired ? 2 * T : T, ap.heads = paired ? NUM_HEADS / 2 : NUM_HEADS;
+        ap.window = (int)((lw ? fa.ws_long : fa.ws_short) * args_.block_size);
+        ap.scale = (float)fa.yarn.attn_scale, ap.tiles = tiles_;
+        CUDA_CHECK(attention_forward(ap, s));
+        gate::Params og{};
+        og.tokens = T, og.heads = NUM_HEADS, og.x = xn_, og.ld_x = D, og.w = attn_gates + j * NUM_HEADS * gate::GW;
+        og.a = y_, og.ld_a = D, og.out = yg_, og.ld_out = D;
+        CUDA_CHECK(gate_forward(GateKind::Output, og, s));
+        CUDA_CHECK(scale_weight(wo_, w + 3 * D * D, D * D, scalars + SCALAR_SA + 2 * i + 1, s));
+        gemms_.bf16(s, Op::N, Op::T, T, D, D, yg_, D, wo_, D, x_, D, false, 1.f, 1.f);
+    }
+
+    // lm_head (fp8 in training, @YouJiacheng; transposed weight, @ChrisJMcCormick) on norm(x) in
+    // xn_, then the soft-capped cross-entropy, chunk by chunk of rows
+    float head_and_loss(const int32_t* targets, int T, const ForwardArgs& fa, cudaStream_t s) {
+        const int64_t D = MODEL_DIM, V = PADDED_VOCAB_SIZE;
+        const __nv_bfloat16* lm_head = bf(p_["lm_head"].data);
+        if (fa.training) {
+            CUDA_CHECK(cast_to_fp8(xn_, D, xf8_, D, T, D, (float)args_.lm_head_x_s, false, false, s));
+            CUDA_CHECK(cast_to_fp8(lm_head, V, wf8_, D, D, V, (float)args_.lm_head_w_s, false, true, s));
+        }
+        for (int r0 = 0; r0 < T; r0 += LOGIT_ROWS) {
+            const int rows = std::min(LOGIT_ROWS, T - r0);
+            if (fa.training)
+                gemms_.fp8(s, rows, V, D, xf8_ + (int64_t)r0 * D, CUDA_R_8F_E4M3, D, wf8_, CUDA_R_8F_E4M3, D, logits_, V,
+                           false, x_scale_, w_scale_, true);
+            else
+                gemms_.bf16(s, Op::N, Op::N, rows, V, D, xn_ + (int64_t)r0 * D, D, lm_head, V, logits_, V, false);
+            ce::Params cp{};
+            cp.logits = logits_, cp.ld = V, cp.targets = targets + r0, cp.rows = rows, cp.target_rows = T - r0;
+            cp.vocab = V;
+            const std::vector<float> w = fa.training ? fa.mtp_weights : std::vector<float>{1.f};
+            cp.n_predict = (int)w.size();
+            for (size_t k = 0; k < w.size(); ++k) cp.w[k] = w[k];
+            cp.a = (float)args_.softcap_a, cp.b = (float)args_.softcap_b, cp.c = (float)args_.softcap_c;
+            cp.losses = losses_ + r0;
+            CUDA_CHECK(softcapped_cross_entropy(cp, s));
+        }
+        CUDA_CHECK(sum_floats(losses_, T, loss_, fa.training ? fa.loss_scale : 1.f / T, s));
+        float loss;
+        CUDA_CHECK(cudaMemcpyAsync(&loss, loss_, 4, cudaMemcpyDeviceToHost, s));
+        CUDA_CHECK(cudaStreamSynchronize(s));
+        return loss;
+    }
+
+    ParamStore& p_;
+    Gemms& gemms_;
+    const Hyperparameters& args_;
+    int max_tokens_, max_cu_;
+    std::vector<void*> buffers_;
+    __nv_bfloat16 *emb_, *x_, *x0_, *skip_, *backout_, *xn_, *ve_[3], *qkv_, *q_, *k_, *v_, *y_, *yg_, *pre_, *post_,
+        *wqkv_, *wo_, *logits_;
+    float *lse_, *losses_, *loss_, *x_scale_, *w_scale_;
+    int4* tiles_;
+    uint8_t *xf8_, *wf8_;
 };
 
 // -----------------------------------------------------------------------------
@@ -1414,44 +1647,6 @@ static std::vector<int64_t> get_warmup_steps(const Hyperparameters& a) {
     std::sort(steps.begin(), steps.end());
     steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
     return steps;
-}
-
-// YaRN (@YouJiacheng's half-truncated RoPE with base-frequency tuning; YaRN updates on window
-// changes). State is the fp32 angular frequency per head dim and the attention scale; the
-// cos/sin tables are built from it on the GPU.
-struct YarnState {
-    std::vector<float> angular_freq;  // HEAD_DIM entries: HEAD_DIM/4 freqs, each twice, then zeros
-    double attn_scale;
-};
-
-static YarnState yarn_reset(const Hyperparameters& a) {
-    YarnState y;
-    const int n = HEAD_DIM / 4;
-    const float step = 1.0f / (float)(n - 1);
-    for (int i = 0; i < n; ++i) {
-        // linspace(0, 1, n) in fp32, computed from both ends as PyTorch does
-        float t = i < n / 2 ? (float)i * step : 1.0f - (float)(n - 1 - i) * step;
-        float f = powf(1.0f / 1024.0f, t);
-        y.angular_freq.push_back(f);
-        y.angular_freq.push_back(f);
-    }
-    y.angular_freq.resize(HEAD_DIM, 0.0f);
-    y.attn_scale = a.attn_scale_init;
-    return y;
-}
-
-static void yarn_apply(const Hyperparameters& a, YarnState& y, int64_t old_window, int64_t new_window) {
-    // fp32 arithmetic in the record's order (a division by a scalar is a product with its inverse)
-    const float inv_two_pi = 1.0f / (float)(2 * M_PI);
-    const float inv_ramp = 1.0f / (float)(a.yarn_beta - a.yarn_alpha);
-    const double scaling_factor = (double)old_window / (double)new_window;
-    for (float& f : y.angular_freq) {
-        float rotations = (float)(a.block_size * old_window) * f * inv_two_pi;
-        float w = (rotations - (float)a.yarn_alpha) * inv_ramp;
-        w = std::min(1.0f, std::max(0.0f, w));
-        f *= (float)scaling_factor + w * (float)(1 - scaling_factor);
-    }
-    y.attn_scale *= 0.2 * std::log((double)new_window / (double)old_window) + 1;
 }
 
 // -----------------------------------------------------------------------------

@@ -637,8 +637,10 @@ constexpr int MAX_PREDICT = 4;
 struct Params {
     const __nv_bfloat16* logits;  // rows x vocab, row stride ld
     int64_t ld;
-    const int* targets;           // rows
+    const int* targets;           // target_rows, from this call's first row
     int rows, vocab;
+    int target_rows;              // targets available from the first row (>= rows; more when the
+                                  // logits come in chunks: a row's later MTP targets lie past them)
     int n_predict;                // weights used (1 in evaluation)
     float w[MAX_PREDICT];
     float a, b, c;                // soft-cap
@@ -682,7 +684,7 @@ __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) 
     float wsum = 0.f, zt[MAX_PREDICT];
 #pragma unroll
     for (int k = 0; k < MAX_PREDICT; ++k) {
-        bool on = k < p.n_predict && row + k < p.rows;
+        bool on = k < p.n_predict && row + k < p.target_rows;
         tgt[k] = on ? p.targets[row + k] : -1;
         if (on) wsum += p.w[k];
         // read before the barrier in block_sum: the gradient may overwrite the logits in place
@@ -1858,5 +1860,25 @@ inline cudaError_t scale_weight_backward(const float* dwp, const __nv_bfloat16* 
     if (n % 8) return cudaErrorInvalidValue;
     scal::scale_weight_bwd_kernel<<<scal::DOT_BLOCKS, 256, 0, stream>>>(dwp, w, dw, n / 8, lambda, partial);
     scal::finish_kernel<<<1, 1, 0, stream>>>(partial, glambda, 1.f, nullptr, 0.f);
+    return cudaGetLastError();
+}
+
+// out = scale * sum(x[0, n)), one block, a fixed order (deterministic)
+namespace red {
+__global__ void sum_kernel(const float* x, int n, float* out, float scale) {
+    __shared__ float s[1024];
+    float v = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) v += x[i];
+    s[threadIdx.x] = v;
+    __syncthreads();
+    for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+        if ((int)threadIdx.x < w) s[threadIdx.x] += s[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *out = s[0] * scale;
+}
+}  // namespace red
+inline cudaError_t sum_floats(const float* x, int n, float* out, float scale, cudaStream_t stream) {
+    red::sum_kernel<<<1, 1024, 0, stream>>>(x, n, out, scale);
     return cudaGetLastError();
 }

@@ -351,7 +351,7 @@ static void ce_case(const char* name, int rows, int vocab, std::vector<float> w,
     dloss.poison();
     ce::Params p{};
     p.logits = reinterpret_cast<const __nv_bfloat16*>(dl.ptr), p.ld = ld, p.targets = dt.ptr;
-    p.rows = rows, p.vocab = vocab, p.n_predict = (int)w.size();
+    p.rows = rows, p.target_rows = rows, p.vocab = vocab, p.n_predict = (int)w.size();
     for (size_t k = 0; k < w.size(); ++k) p.w[k] = w[k];
     p.a = (float)A, p.b = (float)B, p.c = (float)C, p.losses = dloss.ptr;
     p.grad = train ? reinterpret_cast<__nv_bfloat16*>(dg.ptr) : nullptr, p.ld_grad = ld, p.grad_scale = (float)gscale;
@@ -1074,6 +1074,108 @@ static void scalar_ops_case(int64_t n, uint64_t seed) {
           "scalar-weighted ops differ from the fp64 reference");
 }
 
+// The model's forward pass against tests/model_oracle.py (plain PyTorch) on random weights and a
+// batch of documents: the training loss (fp8 head, MTP) and the evaluation loss.
+static void test_model_forward(const std::string& dir) {
+    if (system("python3 -c 'import torch, numpy' >/dev/null 2>&1") != 0) {
+        printf("  SKIP model forward: python3 with torch and numpy is needed for the oracle\n");
+        return;
+    }
+    Hyperparameters args;
+    const int T = 4000;
+    std::mt19937_64 rng(60);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    ParamStore params(1, 0);
+    FILE* meta = fopen((dir + "/params.txt").c_str(), "w");
+    for (Param& p : params.all()) {
+        const int64_t n = p.shape.numel();
+        // every path live: nonzero O and c_proj, value embeddings, gates, lambdas
+        float sd = 0.02f;
+        const std::string& l = p.shape.label;
+        if (l == "embed") sd = 1.f;
+        if (l == "ve0" || l == "ve1" || l == "ve2") sd = 0.3f;
+        if (l == "smear_gate" || l == "skip_gate" || l == "attn_gate_bank" || l == "ve_gate_bank") sd = 0.3f;
+        std::vector<uint16_t> hb;
+        std::vector<float> hf;
+        if (p.shape.fp32) {
+            hf.resize(n);
+            CUDA_CHECK(cudaMemcpy(hf.data(), p.data, n * 4, cudaMemcpyDeviceToHost));
+            for (auto& v : hf) v += 0.1f * nd(rng);  // around the record's initial scalars
+            CUDA_CHECK(cudaMemcpy(p.data, hf.data(), n * 4, cudaMemcpyHostToDevice));
+        } else {
+            hb.resize(n);
+            for (auto& v : hb) v = float_to_bf16(sd * nd(rng));
+            CUDA_CHECK(cudaMemcpy(p.data, hb.data(), n * 2, cudaMemcpyHostToDevice));
+        }
+        fprintf(meta, "%s %s", l.c_str(), p.shape.fp32 ? "fp32" : "bf16");
+        for (int64_t d : p.shape.shape) fprintf(meta, " %lld", (long long)d);
+        fprintf(meta, "\n");
+        FILE* f = fopen((dir + "/" + l + ".bin").c_str(), "wb");
+        fwrite(p.shape.fp32 ? (const void*)hf.data() : (const void*)hb.data(), p.shape.fp32 ? 4 : 2, n, f);
+        fclose(f);
+    }
+    fclose(meta);
+    // documents of FineWeb-like lengths, each starting with BOS; cu_seqlens padded as the loader pads them
+    std::vector<int> tokens(T + 1), cu = {0};
+    std::lognormal_distribution<double> len(std::log(300.0), 0.9);
+    for (int pos = 0; pos < T;) {
+        int L = std::min(T - pos, std::max(2, std::min(2048, (int)len(rng))));
+        tokens[pos] = BOS_ID;
+        for (int i = 1; i < L; ++i) tokens[pos + i] = (int)(rng() % BOS_ID);
+        pos += L;
+        cu.push_back(pos);
+    }
+    tokens[T] = (int)(rng() % BOS_ID);
+    while (cu.size() < 128) cu.push_back(T);
+    ForwardArgs fa;
+    fa.mtp_weights = {1.f, 0.5f, 0.25f};
+    fa.ws_short = 3, fa.ws_long = 7;
+    fa.yarn = yarn_reset(args);
+    yarn_apply(args, fa.yarn, 3, 7);  // past a window change: YaRN-updated frequencies and scale
+    fa.loss_scale = 0.125f;
+    Gemms gemms;
+    Model model(params, gemms, args, T, (int)cu.size());
+    DeviceArray<int> dt(tokens), dcu(cu);
+    cudaStream_t s;
+    CUDA_CHECK(cudaStreamCreate(&s));
+    fa.training = true;
+    const float train = model.forward(dt.ptr, dcu.ptr, (int)cu.size(), T, fa, s);
+    const float train2 = model.forward(dt.ptr, dcu.ptr, (int)cu.size(), T, fa, s);
+    fa.training = false;
+    const float eval = model.forward(dt.ptr, dcu.ptr, (int)cu.size(), T, fa, s);
+    CUDA_CHECK(cudaStreamDestroy(s));
+    {
+        FILE* f = fopen((dir + "/tokens.bin").c_str(), "wb");
+        fwrite(tokens.data(), 4, tokens.size(), f);
+        fclose(f);
+        f = fopen((dir + "/cu.bin").c_str(), "wb");
+        fwrite(cu.data(), 4, cu.size(), f);
+        fclose(f);
+        f = fopen((dir + "/args.txt").c_str(), "w");
+        fprintf(f, "T %d\nblock_size %lld\nws_short 3\nws_long 7\nattn_scale %.9g\nloss_scale 0.125\nmtp 1 0.5 0.25\n", T,
+                (long long)args.block_size, fa.yarn.attn_scale);
+        fprintf(f, "softcap %.9g %.9g %.9g\nfp8_scales %.9g %.9g\nfreq", args.softcap_a, args.softcap_b, args.softcap_c,
+                (float)args.lm_head_x_s, (float)args.lm_head_w_s);
+        for (float v : fa.yarn.angular_freq) fprintf(f, " %.9g", v);
+        fprintf(f, "\n");
+        fclose(f);
+    }
+    std::string out;
+    FILE* pp = popen(("python3 '" + std::string(TRAIN_GPT_SRC_DIR) + "/tests/model_oracle.py' '" + dir + "' 2>&1").c_str(), "r");
+    char buf[4096];
+    size_t nread;
+    while ((nread = fread(buf, 1, sizeof buf, pp)) > 0) out.append(buf, nread);
+    const int rc = pclose(pp);
+    double o_train = NAN, o_eval = NAN;
+    size_t a = out.find("train_loss "), b = out.find("eval_loss ");
+    if (a != std::string::npos) o_train = atof(out.c_str() + a + 11);
+    if (b != std::string::npos) o_eval = atof(out.c_str() + b + 10);
+    const double e_t = std::fabs(train - o_train) / std::fabs(o_train), e_e = std::fabs(eval - o_eval) / std::fabs(o_eval);
+    printf("  model forward T %d: train loss %.6f (oracle %.6f, rel %.1e), eval loss %.6f (oracle %.6f, rel %.1e)%s\n", T,
+           train, o_train, e_t, eval, o_eval, e_e, train == train2 ? ", bit-identical twice" : ", NOT DETERMINISTIC");
+    CHECK(rc == 0 && e_t < 5e-3 && e_e < 5e-3 && train == train2, "model forward differs from the PyTorch oracle: %s", out.c_str());
+}
+
 static void test_optimizer_kernels() {
     polar_express_case(3, 128, 256, 30);
     polar_express_case(2, 384, 128, 31);
@@ -1118,7 +1220,7 @@ static void test_model_kernels() {
     CHECK(gemms.cached_plans() == before, "a repeated GEMM shape chose its algorithm again");
 }
 
-int main() {
+int main(int argc, char** argv) {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess || n == 0) {
@@ -1132,16 +1234,20 @@ int main() {
     printf("GPU: %s (compute capability %d.%d)\n", prop.name, prop.major, prop.minor);
     char tmpl[] = "/tmp/train_gpt_gpu_XXXXXX";
     if (!mkdtemp(tmpl)) fatal("cannot make a temporary folder");
+    // --only NAME: one group (upload, attention, kernels, optimizer, model)
+    const std::string only = argc > 2 && std::string(argv[1]) == "--only" ? argv[2] : "";
+    auto want = [&](const char* name) { return only.empty() || only == name; };
     try {
-        test_upload(tmpl);
-        test_attention();
-        test_model_kernels();
-        test_optimizer_kernels();
+        if (want("upload")) test_upload(tmpl);
+        if (want("attention")) test_attention();
+        if (want("kernels")) test_model_kernels();
+        if (want("optimizer")) test_optimizer_kernels();
+        if (want("model")) test_model_forward(tmpl);
     } catch (const std::exception& ex) {
         ++g_failed;
         printf("FAIL: uncaught error: %s\n", ex.what());
     }
-    rmdir(tmpl);
+    system((std::string("rm -rf '") + tmpl + "'").c_str());
     printf("%d passed, %d failed\n", g_passed, g_failed);
     return g_failed == 0 ? 0 : 1;
 }
