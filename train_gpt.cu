@@ -1063,6 +1063,9 @@ class Model {
         return head_and_loss(tokens + 1, T, fa, s);
     }
 
+    // norm(x) before the lm_head, from the last forward (T x 768)
+    const __nv_bfloat16* final_hidden() const { return xn_; }
+
    private:
     static constexpr int LOGIT_ROWS = 8192;  // the logits are made and consumed in chunks of rows
 

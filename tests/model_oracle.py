@@ -134,6 +134,10 @@ def forward(P, A, tokens, cu, training):
             x_backout = x
     x = x - backout_l * x_backout
     x = norm(x).view(T, D)
+    if not training:  # the trainer's final hidden state against ours
+        theirs = torch.from_numpy(np.fromfile(f"{sys.argv[1]}/hidden.bin", dtype=np.int16)).view(torch.bfloat16)
+        theirs = theirs.to(dev).view(T, D).float()
+        print(f"hidden_rel_err {((theirs - x.float()).norm() / x.float().norm()).item()!r}")
     a, b, c = A["softcap"]
     if training:
         x_s, w_s = A["fp8_scales"][0], A["fp8_scales"][1]
