@@ -138,6 +138,9 @@ def forward(P, A, tokens, cu, training):
         theirs = torch.from_numpy(np.fromfile(f"{sys.argv[1]}/hidden.bin", dtype=np.int16)).view(torch.bfloat16)
         theirs = theirs.to(dev).view(T, D).float()
         print(f"hidden_rel_err {((theirs - x.float()).norm() / x.float().norm()).item()!r}")
+        # how far the hidden state moved from the embeddings alone: the scale a wrong block would show at
+        e = norm(P["embed"][inp].float()[None]).view(T, D)
+        print(f"hidden_vs_embedding {((e - x.float()).norm() / x.float().norm()).item()!r}")
     a, b, c = A["softcap"]
     if training:
         x_s, w_s = A["fp8_scales"][0], A["fp8_scales"][1]

@@ -1090,8 +1090,11 @@ static void test_model_forward(const std::string& dir) {
     for (Param& p : params.all()) {
         const int64_t n = p.shape.numel();
         // every path live: nonzero O and c_proj, value embeddings, gates, lambdas
-        float sd = 0.02f;
+        // weights large enough that every block moves the residual stream: a wrong block would
+        // show in the final hidden state as an O(1) error, bf16 rounding as ~1e-2
+        float sd = 0.06f;
         const std::string& l = p.shape.label;
+        if (l == "lm_head") sd = 0.02f;
         if (l == "embed") sd = 1.f;
         if (l == "ve0" || l == "ve1" || l == "ve2") sd = 0.3f;
         if (l == "smear_gate" || l == "skip_gate" || l == "attn_gate_bank" || l == "ve_gate_bank") sd = 0.3f;
@@ -1177,15 +1180,16 @@ static void test_model_forward(const std::string& dir) {
     size_t a = out.find("train_loss "), b = out.find("eval_loss ");
     if (a != std::string::npos) o_train = atof(out.c_str() + a + 11);
     if (b != std::string::npos) o_eval = atof(out.c_str() + b + 10);
-    double e_h = NAN;
-    size_t c = out.find("hidden_rel_err ");
+    double e_h = NAN, moved = NAN;
+    size_t c = out.find("hidden_rel_err "), m = out.find("hidden_vs_embedding ");
     if (c != std::string::npos) e_h = atof(out.c_str() + c + 15);
+    if (m != std::string::npos) moved = atof(out.c_str() + m + 20);
     const double e_t = std::fabs(train - o_train) / std::fabs(o_train), e_e = std::fabs(eval - o_eval) / std::fabs(o_eval);
     printf("  model forward T %d: train loss %.6f (oracle %.6f, rel %.1e), eval loss %.6f (oracle %.6f, rel %.1e), final "
-           "hidden state rel err %.1e%s\n", T, train, o_train, e_t, eval, o_eval, e_e, e_h,
+           "hidden state rel err %.1e (%.2f from the embeddings alone)%s\n", T, train, o_train, e_t, eval, o_eval, e_e, e_h, moved,
            train == train2 ? ", bit-identical twice" : ", NOT DETERMINISTIC");
     // the losses sit near log(vocab) for random weights: the hidden state is the sensitive check
-    CHECK(rc == 0 && e_t < 5e-3 && e_e < 5e-3 && e_h < 2e-2 && train == train2,
+    CHECK(rc == 0 && e_t < 5e-3 && e_e < 5e-3 && e_h < 3e-2 && train == train2,
           "model forward differs from the PyTorch oracle: %s", out.c_str());
 }
 
