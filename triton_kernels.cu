@@ -80,6 +80,19 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// Sum of v over the block, valid in thread 0: warps first, then the warp totals in order (the
+// same bits every run). red: 32 floats of shared memory; has a __syncthreads.
+__device__ __forceinline__ float block_sum0(float v, float* red) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = v;
+    __syncthreads();
+    float t = 0.f;
+    if (threadIdx.x == 0)
+        for (int w = 0; w < (int)blockDim.x / 32; ++w) t += red[w];
+    return t;
+}
+
 // 8 bf16 (one 16-byte access) to and from fp32
 __device__ __forceinline__ void load8(const __nv_bfloat16* p, float f[8]) {
     uint4 u = *reinterpret_cast<const uint4*>(p);
@@ -1207,15 +1220,8 @@ __global__ void sumsq_kernel(const float* g, int64_t n, float* partial) {
         s += v * v;
     }
     __shared__ float red[32];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = s;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float t = 0.f;
-        for (int w = 0; w < (int)blockDim.x / 32; ++w) t += red[w];
-        partial[blockIdx.y * NORM_BLOCKS + blockIdx.x] = t;
-    }
+    const float t = tk::block_sum0(s, red);
+    if (threadIdx.x == 0) partial[blockIdx.y * NORM_BLOCKS + blockIdx.x] = t;
 }
 __global__ void normalize_kernel(const float* g, int64_t n, const float* partial, __nv_bfloat16* x) {
     float s = 0.f;
@@ -1666,13 +1672,8 @@ __global__ void gate_weight_grad_kernel(const Params p, __nv_bfloat16* dw, float
     float s = 0.f;
     for (int t = threadIdx.x; t < p.tokens; t += blockDim.x)
         s += lam ? p.dlam_rows[t] : p.dz[(int64_t)t * p.heads + h] * __bfloat162float(p.x[t * p.ld_x + j]);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = s;
-    __syncthreads();
+    const float total = tk::block_sum0(s, red);
     if (threadIdx.x == 0) {
-        float total = 0.f;
-        for (int w = 0; w < (int)blockDim.x / 32; ++w) total += red[w];
         if (lam) *dlambda += total;
         else dw[h * GW + j] = __float2bfloat16(__bfloat162float(dw[h * GW + j]) + total);
     }
@@ -1767,18 +1768,8 @@ __global__ void combine_bwd_kernel(const __nv_bfloat16* dout, const __nv_bfloat1
         tk::store8(dy + i * 8, ay);
     }
     __shared__ float red[2][32];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        sx += __shfl_xor_sync(0xffffffffu, sx, off);
-        sy += __shfl_xor_sync(0xffffffffu, sy, off);
-    }
-    if ((threadIdx.x & 31) == 0) red[0][threadIdx.x / 32] = sx, red[1][threadIdx.x / 32] = sy;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float tx = 0.f, ty = 0.f;
-        for (int w = 0; w < (int)blockDim.x / 32; ++w) tx += red[0][w], ty += red[1][w];
-        partial[blockIdx.x] = tx, partial[DOT_BLOCKS + blockIdx.x] = ty;
-    }
+    const float tx = tk::block_sum0(sx, red[0]), ty = tk::block_sum0(sy, red[1]);
+    if (threadIdx.x == 0) partial[blockIdx.x] = tx, partial[DOT_BLOCKS + blockIdx.x] = ty;
 }
 
 // grad[k] += scale_k * sum of partial[k][*], in order (one thread per target)
@@ -1817,15 +1808,8 @@ __global__ void scale_weight_bwd_kernel(const float* dwp, const __nv_bfloat16* w
         tk::store8(dw + i * 8, acc);
     }
     __shared__ float red[32];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = s;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float t = 0.f;
-        for (int w2 = 0; w2 < (int)blockDim.x / 32; ++w2) t += red[w2];
-        partial[blockIdx.x] = t;
-    }
+    const float t = tk::block_sum0(s, red);
+    if (threadIdx.x == 0) partial[blockIdx.x] = t;
 }
 
 }  // namespace scal
