@@ -988,27 +988,50 @@ struct ForwardArgs {
     float loss_scale = 1.f;             // training: 1 / grad_accum_steps (the loss is a sum)
 };
 
-// The record-61 model's forward pass over one micro-batch (the backward comes next).
+// The record-61 model: forward and hand-written backward over one micro-batch. The forward keeps
+// what the backward needs, per layer; in training the lm_head's backward runs inside the forward,
+// chunk by chunk of logits (the loss's gradient is known: loss_scale per token), so the logits are
+// never all in memory at once. Gradients accumulate into the ParamStore's gradient buffers over the
+// micro-steps of a step.
 class Model {
    public:
     Model(ParamStore& params, Gemms& gemms, const Hyperparameters& args, int max_tokens, int max_cu_len)
         : p_(params), gemms_(gemms), args_(args), max_tokens_(max_tokens), max_cu_(max_cu_len) {
-        const int64_t T = max_tokens, D = MODEL_DIM;
+        const int64_t T = max_tokens, D = MODEL_DIM, V = PADDED_VOCAB_SIZE;
         auto bf = [&](int64_t n) { return alloc<__nv_bfloat16>(n); };
-        emb_ = bf(T * D), x_ = bf(T * D), x0_ = bf(T * D), skip_ = bf(T * D), backout_ = bf(T * D), xn_ = bf(T * D);
+        emb_ = bf(T * D), xs_ = bf(T * D), x0_ = bf(T * D), x_last_ = bf(T * D), x_back_ = bf(T * D), xn_ = bf(T * D);
+        rstd0_ = alloc<float>(T), rstd_f_ = alloc<float>(T);
         for (auto& v : ve_) v = bf(T * D);
-        qkv_ = bf(T * 3 * D), q_ = bf(T * D), k_ = bf(T * D), v_ = bf(T * D), y_ = bf(T * D), yg_ = bf(T * D);
-        pre_ = bf(T * 4 * D), post_ = bf(T * 4 * D);
+        for (Layer& l : layers_) {
+            l.x_in = bf(T * D), l.x_mix = bf(T * D), l.x_attn = bf(T * D), l.xn_m = bf(T * D);
+            l.pre = bf(T * 4 * D), l.post = bf(T * 4 * D);
+            l.rstd_a = alloc<float>(T), l.rstd_m = alloc<float>(T);
+        }
+        for (int i = 0; i < NUM_LAYERS; ++i) {
+            if (!has_attention(i)) continue;
+            Layer& l = layers_[i];
+            l.xn_a = bf(T * D), l.qkv = bf(T * 3 * D), l.q = bf(T * D), l.k = bf(T * D), l.v = bf(T * D);
+            l.y = bf(T * D), l.yg = bf(T * D), l.lse = alloc<float>(NUM_HEADS * T);
+        }
         wqkv_ = bf(3 * D * D), wo_ = bf(D * D);
-        lse_ = alloc<float>(NUM_HEADS * T);
         tiles_ = (int4*)alloc<unsigned char>(attention_tiles_bytes(2 * max_tokens, max_cu_len));
-        xf8_ = alloc<uint8_t>(T * D), wf8_ = alloc<uint8_t>((int64_t)PADDED_VOCAB_SIZE * D);
-        logits_ = bf((int64_t)LOGIT_ROWS * PADDED_VOCAB_SIZE);
+        xf8_ = alloc<uint8_t>(T * D), xf8t_ = alloc<uint8_t>(T * D);
+        wf8t_ = alloc<uint8_t>(V * D), wf8_ = alloc<uint8_t>(V * D);
+        logits_ = bf((int64_t)LOGIT_ROWS * V);
+        gf8_ = alloc<uint8_t>((int64_t)LOGIT_ROWS * V), gf8t_ = alloc<uint8_t>((int64_t)LOGIT_ROWS * V);
+        lm_grad_ = alloc<float>(V * D);
         losses_ = alloc<float>(T), loss_ = alloc<float>(1);
-        x_scale_ = alloc<float>(1), w_scale_ = alloc<float>(1);
-        const float xs = (float)args.lm_head_x_s, ws = (float)args.lm_head_w_s;
-        CUDA_CHECK(cudaMemcpy(x_scale_, &xs, 4, cudaMemcpyHostToDevice));
-        CUDA_CHECK(cudaMemcpy(w_scale_, &ws, 4, cudaMemcpyHostToDevice));
+        // backward workspaces
+        dx_ = bf(T * D), dtmp_ = bf(T * D), dx0_ = bf(T * D), dskip_ = bf(T * D), dback_ = bf(T * D), dxn_ = bf(T * D);
+        dy_ = bf(T * D), dyg_ = bf(T * D), dq_ = bf(T * D), dk_ = bf(T * D), dv_ = bf(T * D), dqkv_ = bf(T * 3 * D);
+        dpost_ = bf(T * 4 * D), dpre_ = bf(T * 4 * D), dxn_head_ = bf(T * D), demb_ = bf(T * D);
+        for (auto& v : dve_) v = bf(T * D);
+        dw_ = alloc<float>(3 * D * D), delta_ = alloc<float>(NUM_HEADS * 2 * T), dz_ = alloc<float>(NUM_HEADS * T);
+        dlam_rows_ = alloc<float>(T), partial_ = alloc<float>(2 * scal::DOT_BLOCKS);
+        for (float*& sc : scales_) sc = alloc<float>(1);  // separate allocations: cuBLASLt wants 16-byte alignment
+        const float vals[3] = {(float)args.lm_head_x_s, (float)args.lm_head_w_s, (float)args.lm_head_grad_s};
+        for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaMemcpy(scales_[i], &vals[i], 4, cudaMemcpyHostToDevice));
+        embed_bwd_ = std::make_unique<EmbeddingBackward>(max_tokens);
     }
     ~Model() {
         for (void* b : buffers_) CUDA_CHECK(cudaFree(b));
@@ -1019,14 +1042,13 @@ class Model {
     // tokens: T + 1 ids (inputs tokens[0, T), targets tokens[1, T]); cu: cu_len cu_seqlens. Returns
     // the loss (training: the MTP loss summed over tokens times loss_scale; evaluation: the mean).
     float forward(const int32_t* tokens, const int32_t* cu, int cu_len, int T, const ForwardArgs& fa, cudaStream_t s) {
-        if (T > max_tokens_ || cu_len > max_cu_) fail(strprintf("forward: %d tokens / %d cu_seqlens exceed %d / %d", T, cu_len, max_tokens_, max_cu_));
+        if (T > max_tokens_ || cu_len > max_cu_)
+            fail(strprintf("forward: %d tokens / %d cu_seqlens exceed %d / %d", T, cu_len, max_tokens_, max_cu_));
+        if (T % 16) fail(strprintf("forward: %d tokens is not a multiple of 16 (fp8 GEMMs)", T));
+        T_ = T, tokens_ = tokens, cu_ = cu, cu_len_ = cu_len, fa_ = fa;
         const int64_t D = MODEL_DIM, TD = (int64_t)T * D;
         float* scalars = (float*)p_["scalars"].data;
         float* x0_lambdas = (float*)p_["x0_lambdas"].data;
-        const __nv_bfloat16* attn_bank = bf(p_["attn"].data);
-        const __nv_bfloat16* mlp_bank = bf(p_["mlp"].data);
-        const __nv_bfloat16* attn_gates = bf(p_["attn_gate_bank"].data);
-        const __nv_bfloat16* ve_gates = bf(p_["ve_gate_bank"].data);
 
         // embeddings; value embeddings 0, 1, 2 (the 012 ... 012 structure of @YouJiacheng, less layers 2-7)
         CUDA_CHECK(embedding_forward(tokens, T, bf(p_["embed"].data), emb_, D, s));
@@ -1034,33 +1056,86 @@ class Model {
             CUDA_CHECK(embedding_forward(tokens, T, bf(p_["ve" + std::to_string(k)].data), ve_[k], D, s));
         // smear the token embedding forward one position, then x = x0 = norm(x)
         gate::Params sm = row_gate(T, emb_, bf(p_["smear_gate"].data), scalars + SCALAR_SMEAR);
-        sm.a = emb_, sm.out = x_;
+        sm.a = emb_, sm.out = xs_;
         CUDA_CHECK(gate_forward(GateKind::Smear, sm, s));
-        CUDA_CHECK(rms_norm_forward(x_, D, x0_, D, nullptr, T, D, RMS_NORM_EPS, s));
-        CUDA_CHECK(cudaMemcpyAsync(x_, x0_, TD * 2, cudaMemcpyDeviceToDevice, s));
-
+        CUDA_CHECK(rms_norm_forward(xs_, D, x0_, D, rstd0_, T, D, RMS_NORM_EPS, s));
+        const __nv_bfloat16* x = x0_;
         for (int i = 0; i < NUM_LAYERS; ++i) {
-            if (i == 6) {  // skip from layer 3's output, gated by x0 (U-net)
+            Layer& l = layers_[i];
+            if (x != l.x_in) CUDA_CHECK(cudaMemcpyAsync(l.x_in, x, TD * 2, cudaMemcpyDeviceToDevice, s));
+            if (i == 6) {  // skip from layer 3's output (layer 4's input), gated by x0 (U-net)
                 gate::Params sk = row_gate(T, x0_, bf(p_["skip_gate"].data), scalars + SCALAR_SKIP);
-                sk.a = x_, sk.b = skip_;
+                sk.a = l.x_in, sk.b = layers_[4].x_in;
                 CUDA_CHECK(gate_forward(GateKind::Skip, sk, s));
             }
-            CUDA_CHECK(combine(x_, x_, x0_, TD, {scalars + SCALAR_RESID + i, 1.f, 0.f}, {x0_lambdas + i, 1.f, 0.f}, s));
-            if (has_attention(i)) attention_block(i, T, cu, cu_len, fa, s, attn_bank, attn_gates, ve_gates, scalars);
+            CUDA_CHECK(combine(l.x_mix, l.x_in, x0_, TD, {scalars + SCALAR_RESID + i, 1.f, 0.f}, {x0_lambdas + i, 1.f, 0.f}, s));
+            CUDA_CHECK(cudaMemcpyAsync(l.x_attn, l.x_mix, TD * 2, cudaMemcpyDeviceToDevice, s));
+            if (has_attention(i)) attention_forward_block(i, s);
             // MLP: x += relu(norm(x) c_fc^T)^2 c_proj
-            const __nv_bfloat16* c_fc = mlp_bank + (int64_t)i * 2 * 4 * D * D;
-            const __nv_bfloat16* c_proj = c_fc + 4 * D * D;
-            CUDA_CHECK(rms_norm_forward(x_, D, xn_, D, nullptr, T, D, RMS_NORM_EPS, s));
-            gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, xn_, D, c_fc, D, pre_, 4 * D, false);
-            CUDA_CHECK(relu_square_forward(pre_, post_, (int64_t)T * 4 * D, s));
-            gemms_.bf16(s, Op::N, Op::N, T, D, 4 * D, post_, 4 * D, c_proj, D, x_, D, false, 1.f, 1.f);
-            if (i == 3) CUDA_CHECK(cudaMemcpyAsync(skip_, x_, TD * 2, cudaMemcpyDeviceToDevice, s));
-            if (i == 7) CUDA_CHECK(cudaMemcpyAsync(backout_, x_, TD * 2, cudaMemcpyDeviceToDevice, s));
+            CUDA_CHECK(rms_norm_forward(l.x_attn, D, l.xn_m, D, l.rstd_m, T, D, RMS_NORM_EPS, s));
+            gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, l.xn_m, D, c_fc(i), D, l.pre, 4 * D, false);
+            CUDA_CHECK(relu_square_forward(l.pre, l.post, (int64_t)T * 4 * D, s));
+            __nv_bfloat16* out = i + 1 < NUM_LAYERS ? layers_[i + 1].x_in : x_last_;
+            CUDA_CHECK(cudaMemcpyAsync(out, l.x_attn, TD * 2, cudaMemcpyDeviceToDevice, s));
+            gemms_.bf16(s, Op::N, Op::N, T, D, 4 * D, l.post, 4 * D, c_proj(i), D, out, D, false, 1.f, 1.f);
+            x = out;
         }
-        // back out layers 0-7's contribution (@classiclarryd), final norm
-        CUDA_CHECK(combine(x_, x_, backout_, TD, {nullptr, 0.f, 1.f}, {scalars + SCALAR_BACKOUT, -1.f, 0.f}, s));
-        CUDA_CHECK(rms_norm_forward(x_, D, xn_, D, nullptr, T, D, RMS_NORM_EPS, s));
-        return head_and_loss(tokens + 1, T, fa, s);
+        // back out layers 0-7's contribution (@classiclarryd; layer 7's output is layer 8's input), final norm
+        CUDA_CHECK(combine(x_back_, x_last_, layers_[8].x_in, TD, {nullptr, 0.f, 1.f}, {scalars + SCALAR_BACKOUT, -1.f, 0.f}, s));
+        CUDA_CHECK(rms_norm_forward(x_back_, D, xn_, D, rstd_f_, T, D, RMS_NORM_EPS, s));
+        return head_and_loss(s);
+    }
+
+    // The backward of the last training forward: adds every parameter's gradient into its buffer.
+    void backward(cudaStream_t s) {
+        const int T = T_;
+        const int64_t D = MODEL_DIM, TD = (int64_t)T * D;
+        float* scalars = (float*)p_["scalars"].data;
+        float* gscalars = (float*)p_["scalars"].grad;
+        float* gx0l = (float*)p_["x0_lambdas"].grad;
+        float* x0_lambdas = (float*)p_["x0_lambdas"].data;
+        for (__nv_bfloat16* b : {dx0_, dskip_, dve_[0], dve_[1], dve_[2]}) CUDA_CHECK(cudaMemsetAsync(b, 0, TD * 2, s));
+        // final norm, then the backout: x_back = x_last - lambda x_8in
+        CUDA_CHECK(rms_norm_backward(x_back_, D, dxn_head_, D, rstd_f_, dx_, D, T, D, s));
+        CUDA_CHECK(cudaMemsetAsync(dback_, 0, TD * 2, s));
+        CUDA_CHECK(combine_backward(dx_, x_last_, layers_[8].x_in, dx_, false, dback_, TD, {nullptr, 0.f, 1.f},
+                                    {scalars + SCALAR_BACKOUT, -1.f, 0.f}, nullptr, gscalars + SCALAR_BACKOUT, partial_, s));
+        for (int i = NUM_LAYERS - 1; i >= 0; --i) {
+            Layer& l = layers_[i];
+            // dx: the gradient of this layer's output
+            if (i == 7) CUDA_CHECK(combine(dx_, dx_, dback_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
+            if (i == 3) CUDA_CHECK(combine(dx_, dx_, dskip_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
+            // MLP: out = x_attn + post c_proj
+            gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, dx_, D, c_proj(i), D, dpost_, 4 * D, false);
+            gemms_.bf16(s, Op::T, Op::N, 4 * D, D, T, l.post, 4 * D, dx_, D, c_proj_grad(i), D, false, 1.f, 1.f);
+            CUDA_CHECK(relu_square_backward(l.pre, dpost_, dpre_, (int64_t)T * 4 * D, s));
+            gemms_.bf16(s, Op::T, Op::N, 4 * D, D, T, dpre_, 4 * D, l.xn_m, D, c_fc_grad(i), D, false, 1.f, 1.f);
+            gemms_.bf16(s, Op::N, Op::N, T, D, 4 * D, dpre_, 4 * D, c_fc(i), D, dxn_, D, false);
+            CUDA_CHECK(rms_norm_backward(l.x_attn, D, dxn_, D, l.rstd_m, dtmp_, D, T, D, s));
+            CUDA_CHECK(combine(dx_, dx_, dtmp_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
+            if (has_attention(i)) attention_backward_block(i, s);
+            // mixing: x_mix = resid x_in + x0_lambda x0
+            CUDA_CHECK(combine_backward(dx_, l.x_in, x0_, dx_, false, dx0_, TD, {scalars + SCALAR_RESID + i, 1.f, 0.f},
+                                        {x0_lambdas + i, 1.f, 0.f}, gscalars + SCALAR_RESID + i, gx0l + i, partial_, s));
+            if (i == 6) {  // skip: x_in += c 2 sigmoid(z(x0)) x_4in; dx passes through
+                gate::Params sk = row_gate(T, x0_, bf(p_["skip_gate"].data), scalars + SCALAR_SKIP);
+                sk.b = layers_[4].x_in, sk.dout = dx_, sk.ld_dout = D, sk.db = dskip_, sk.ld_db = D;
+                sk.dz = dz_, sk.dlam_rows = dlam_rows_;
+                CUDA_CHECK(gate_backward(GateKind::Skip, sk, dx0_, D, bf(p_["skip_gate"].grad), gscalars + SCALAR_SKIP, s));
+            }
+        }
+        // layer 0's input is x0
+        CUDA_CHECK(combine(dx0_, dx0_, dx_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
+        // x0 = norm(smear(emb))
+        CUDA_CHECK(rms_norm_backward(xs_, D, dx0_, D, rstd0_, dx_, D, T, D, s));
+        gate::Params sm = row_gate(T, emb_, bf(p_["smear_gate"].data), scalars + SCALAR_SMEAR);
+        sm.a = emb_, sm.dout = dx_, sm.ld_dout = D, sm.da = demb_, sm.ld_da = D, sm.dz = dz_, sm.dlam_rows = dlam_rows_;
+        CUDA_CHECK(gate_backward(GateKind::Smear, sm, demb_, D, bf(p_["smear_gate"].grad), gscalars + SCALAR_SMEAR, s));
+        // embeddings: one sort of the token ids serves the four tables
+        CUDA_CHECK(embed_bwd_->sort(tokens_, T, s));
+        CUDA_CHECK(embed_bwd_->accumulate(demb_, D, bf(p_["embed"].grad), s));
+        for (int k = 0; k < 3; ++k)
+            CUDA_CHECK(embed_bwd_->accumulate(dve_[k], D, bf(p_["ve" + std::to_string(k)].grad), s));
     }
 
     // norm(x) before the lm_head, from the last forward (T x 768)
@@ -1068,6 +1143,13 @@ class Model {
 
    private:
     static constexpr int LOGIT_ROWS = 8192;  // the logits are made and consumed in chunks of rows
+
+    struct Layer {
+        __nv_bfloat16 *x_in, *x_mix, *x_attn, *xn_m, *pre, *post;           // every layer
+        __nv_bfloat16 *xn_a = nullptr, *qkv = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *y = nullptr,
+                      *yg = nullptr;                                        // attention layers
+        float *rstd_a = nullptr, *rstd_m = nullptr, *lse = nullptr;
+    };
 
     template <typename T>
     T* alloc(int64_t n) {
@@ -1077,85 +1159,166 @@ class Model {
         return (T*)p;
     }
     static __nv_bfloat16* bf(void* p) { return (__nv_bfloat16*)p; }
+    // bank slices: layer i's attention weights (q, k, v, o rows) and MLP matrices
+    const __nv_bfloat16* attn_w(int i) { return bf(p_["attn"].data) + (int64_t)attn_index(i) * 4 * MODEL_DIM * MODEL_DIM; }
+    __nv_bfloat16* attn_grad(int i) { return bf(p_["attn"].grad) + (int64_t)attn_index(i) * 4 * MODEL_DIM * MODEL_DIM; }
+    const __nv_bfloat16* c_fc(int i) { return bf(p_["mlp"].data) + (int64_t)i * 8 * MODEL_DIM * MODEL_DIM; }
+    const __nv_bfloat16* c_proj(int i) { return c_fc(i) + 4 * MODEL_DIM * MODEL_DIM; }
+    __nv_bfloat16* c_fc_grad(int i) { return bf(p_["mlp"].grad) + (int64_t)i * 8 * MODEL_DIM * MODEL_DIM; }
+    __nv_bfloat16* c_proj_grad(int i) { return c_fc_grad(i) + 4 * MODEL_DIM * MODEL_DIM; }
+    // value embeddings on layers 0, 1 (ve1, ve2) and 8, 9, 10 (ve0, ve1, ve2), their gates in ve_gate_bank
+    static int ve_slot(int i) { return i == 0 ? 1 : i == 1 ? 2 : i >= 8 ? i - 8 : -1; }
+    static int ve_gate_index(int i) { return i < 2 ? i : i >= 8 ? i - 6 : -1; }
 
     gate::Params row_gate(int T, const __nv_bfloat16* x, const __nv_bfloat16* w, const float* lambda) {
         gate::Params g{};
         g.tokens = T, g.heads = 1, g.x = x, g.ld_x = MODEL_DIM, g.w = w, g.lambda = lambda;
-        g.ld_a = g.ld_b = g.ld_out = MODEL_DIM;
+        g.ld_a = g.ld_b = g.ld_out = g.ld_dout = g.ld_da = g.ld_db = MODEL_DIM;
         return g;
     }
-
-    // x += O(gate(attention(rope(norm(q)), rope(norm(k)), v + ve gate))) of norm(x)
-    void attention_block(int i, int T, const int32_t* cu, int cu_len, const ForwardArgs& fa, cudaStream_t s,
-                         const __nv_bfloat16* attn_bank, const __nv_bfloat16* attn_gates,
-                         const __nv_bfloat16* ve_gates, float* scalars) {
-        const int64_t D = MODEL_DIM;
-        const int j = attn_index(i);
-        const __nv_bfloat16* w = attn_bank + (int64_t)j * 4 * D * D;
-        const bool paired = paired_head(i), lw = long_window(i);
-        CUDA_CHECK(rms_norm_forward(x_, D, xn_, D, nullptr, T, D, RMS_NORM_EPS, s));
-        // sa lambdas pre-multiply the QKV and O weights (@shenberg)
-        CUDA_CHECK(scale_weight(wqkv_, w, 3 * D * D, scalars + SCALAR_SA + 2 * i, s));
-        gemms_.bf16(s, Op::N, Op::T, T, 3 * D, D, xn_, D, wqkv_, D, qkv_, 3 * D, false);
+    gate::Params head_gate(int i, const __nv_bfloat16* w) {
+        gate::Params g{};
+        g.tokens = T_, g.heads = NUM_HEADS, g.x = layers_[i].xn_a, g.ld_x = MODEL_DIM, g.w = w;
+        g.ld_a = g.ld_b = g.ld_out = g.ld_dout = g.ld_da = g.ld_db = MODEL_DIM;
+        return g;
+    }
+    attn::Params attn_params(int i) {
+        Layer& l = layers_[i];
+        const bool paired = paired_head(i);
+        const int64_t stride = paired ? MODEL_DIM / 2 : MODEL_DIM;
+        attn::Params ap{};
+        ap.q = l.q, ap.k = l.k, ap.v = l.v, ap.q_stride = ap.k_stride = ap.v_stride = stride;
+        ap.o = l.y, ap.o_stride = stride, ap.lse = l.lse;
+        ap.cu_seqlens = cu_, ap.cu_len = cu_len_, ap.cu_mult = paired ? 2 : 1;
+        ap.positions = paired ? 2 * T_ : T_, ap.heads = paired ? NUM_HEADS / 2 : NUM_HEADS;
+        ap.window = (int)((long_window(i) ? fa_.ws_long : fa_.ws_short) * args_.block_size);
+        ap.scale = (float)fa_.yarn.attn_scale, ap.tiles = tiles_;
+        ap.dout = dy_, ap.dout_stride = stride, ap.dq = dq_, ap.dk = dk_, ap.dv = dv_;
+        ap.dq_stride = ap.dk_stride = ap.dv_stride = stride, ap.delta = delta_;
+        return ap;
+    }
+    qkrope::Params rope_params(int i) {
+        Layer& l = layers_[i];
         qkrope::Params qr{};
-        qr.qkv = qkv_, qr.ld = 3 * D, qr.q = q_, qr.k = k_, qr.tokens = T, qr.heads = NUM_HEADS;
-        for (int f = 0; f < 32; ++f) qr.freq[f] = fa.yarn.angular_freq[2 * f];
-        qr.eps = RMS_NORM_EPS, qr.paired = paired, qr.key_offset = lw;
-        CUDA_CHECK(qk_norm_rope_forward(qr, s));
-        CUDA_CHECK(cudaMemcpy2DAsync(v_, D * 2, qkv_ + 2 * D, 3 * D * 2, D * 2, T, cudaMemcpyDeviceToDevice, s));
-        // value embeddings on layers 0, 1 (ve1, ve2) and 8, 9, 10 (ve0, ve1, ve2)
-        const int ve_slot = i == 0 ? 1 : i == 1 ? 2 : i >= 8 ? i - 8 : -1;
-        const int ve_bank = i < 2 ? i : i >= 8 ? i - 6 : -1;
-        if (ve_slot >= 0) {
-            gate::Params vg{};
-            vg.tokens = T, vg.heads = NUM_HEADS, vg.x = xn_, vg.ld_x = D, vg.w = ve_gates + ve_bank * NUM_HEADS * gate::GW;
-            vg.a = v_, vg.ld_a = D, vg.b = ve_[ve_slot], vg.ld_b = D;
+        qr.qkv = l.qkv, qr.ld = 3 * MODEL_DIM, qr.q = l.q, qr.k = l.k, qr.tokens = T_, qr.heads = NUM_HEADS;
+        for (int f = 0; f < 32; ++f) qr.freq[f] = fa_.yarn.angular_freq[2 * f];
+        qr.eps = RMS_NORM_EPS, qr.paired = paired_head(i), qr.key_offset = long_window(i);
+        qr.dq = dq_, qr.dk = dk_, qr.dqkv = dqkv_, qr.ld_grad = 3 * MODEL_DIM;
+        return qr;
+    }
+
+    // x_attn = x_mix + O(gate(attention(rope(norm(q)), rope(norm(k)), v + ve gate))) of norm(x_mix)
+    void attention_forward_block(int i, cudaStream_t s) {
+        Layer& l = layers_[i];
+        const int T = T_;
+        const int64_t D = MODEL_DIM;
+        float* scalars = (float*)p_["scalars"].data;
+        CUDA_CHECK(rms_norm_forward(l.x_mix, D, l.xn_a, D, l.rstd_a, T, D, RMS_NORM_EPS, s));
+        // sa lambdas pre-multiply the QKV and O weights (@shenberg)
+        CUDA_CHECK(scale_weight(wqkv_, attn_w(i), 3 * D * D, scalars + SCALAR_SA + 2 * i, s));
+        gemms_.bf16(s, Op::N, Op::T, T, 3 * D, D, l.xn_a, D, wqkv_, D, l.qkv, 3 * D, false);
+        CUDA_CHECK(qk_norm_rope_forward(rope_params(i), s));
+        CUDA_CHECK(cudaMemcpy2DAsync(l.v, D * 2, l.qkv + 2 * D, 3 * D * 2, D * 2, T, cudaMemcpyDeviceToDevice, s));
+        if (ve_slot(i) >= 0) {
+            gate::Params vg = head_gate(i, bf(p_["ve_gate_bank"].data) + ve_gate_index(i) * NUM_HEADS * gate::GW);
+            vg.a = l.v, vg.b = ve_[ve_slot(i)];
             CUDA_CHECK(gate_forward(GateKind::ValueEmbedding, vg, s));
         }
-        attn::Params ap{};
-        ap.q = q_, ap.k = k_, ap.v = v_;
-        ap.q_stride = ap.k_stride = ap.v_stride = paired ? D / 2 : D;
-        ap.o = y_, ap.o_stride = paired ? D / 2 : D, ap.lse = lse_;
-        ap.cu_seqlens = cu, ap.cu_len = cu_len, ap.cu_mult = paired ? 2 : 1;
-        ap.positions = paired ? 2 * T : T, ap.heads = paired ? NUM_HEADS / 2 : NUM_HEADS;
-        ap.window = (int)((lw ? fa.ws_long : fa.ws_short) * args_.block_size);
-        ap.scale = (float)fa.yarn.attn_scale, ap.tiles = tiles_;
-        CUDA_CHECK(attention_forward(ap, s));
-        gate::Params og{};
-        og.tokens = T, og.heads = NUM_HEADS, og.x = xn_, og.ld_x = D, og.w = attn_gates + j * NUM_HEADS * gate::GW;
-        og.a = y_, og.ld_a = D, og.out = yg_, og.ld_out = D;
+        CUDA_CHECK(attention_forward(attn_params(i), s));
+        gate::Params og = head_gate(i, bf(p_["attn_gate_bank"].data) + attn_index(i) * NUM_HEADS * gate::GW);
+        og.a = l.y, og.out = l.yg;
         CUDA_CHECK(gate_forward(GateKind::Output, og, s));
-        CUDA_CHECK(scale_weight(wo_, w + 3 * D * D, D * D, scalars + SCALAR_SA + 2 * i + 1, s));
-        gemms_.bf16(s, Op::N, Op::T, T, D, D, yg_, D, wo_, D, x_, D, false, 1.f, 1.f);
+        CUDA_CHECK(scale_weight(wo_, attn_w(i) + 3 * D * D, D * D, scalars + SCALAR_SA + 2 * i + 1, s));
+        gemms_.bf16(s, Op::N, Op::T, T, D, D, l.yg, D, wo_, D, l.x_attn, D, false, 1.f, 1.f);
+    }
+
+    // dx holds d x_attn on entry and d x_mix on return
+    void attention_backward_block(int i, cudaStream_t s) {
+        Layer& l = layers_[i];
+        const int T = T_;
+        const int64_t D = MODEL_DIM, TD = (int64_t)T * D;
+        float* scalars = (float*)p_["scalars"].data;
+        float* gscalars = (float*)p_["scalars"].grad;
+        // O projection with W'o = sa1 Wo: dyg = dx W'o, dW'o = dx^T yg
+        CUDA_CHECK(scale_weight(wo_, attn_w(i) + 3 * D * D, D * D, scalars + SCALAR_SA + 2 * i + 1, s));
+        gemms_.bf16(s, Op::N, Op::N, T, D, D, dx_, D, wo_, D, dyg_, D, false);
+        gemms_.bf16(s, Op::T, Op::N, D, D, T, dx_, D, l.yg, D, dw_, D, true);
+        CUDA_CHECK(scale_weight_backward(dw_, attn_w(i) + 3 * D * D, attn_grad(i) + 3 * D * D, D * D,
+                                         scalars + SCALAR_SA + 2 * i + 1, gscalars + SCALAR_SA + 2 * i + 1, partial_, s));
+        // output gate: dy, and the gate's input gradient into dxn (zeroed: the QKV backward adds on)
+        CUDA_CHECK(cudaMemsetAsync(dxn_, 0, TD * 2, s));
+        gate::Params og = head_gate(i, bf(p_["attn_gate_bank"].data) + attn_index(i) * NUM_HEADS * gate::GW);
+        og.a = l.y, og.dout = dyg_, og.da = dy_, og.dz = dz_;
+        CUDA_CHECK(gate_backward(GateKind::Output, og, dxn_, D,
+                                 bf(p_["attn_gate_bank"].grad) + attn_index(i) * NUM_HEADS * gate::GW, nullptr, s));
+        // attention (its tile schedule was overwritten by later layers: remake it)
+        attn::Params ap = attn_params(i);
+        CUDA_CHECK(attention_schedule(ap, s));
+        CUDA_CHECK(attention_backward(ap, s));
+        // value-embedding gate: v passes through; dve and the gate's input gradient
+        if (ve_slot(i) >= 0) {
+            gate::Params vg = head_gate(i, bf(p_["ve_gate_bank"].data) + ve_gate_index(i) * NUM_HEADS * gate::GW);
+            vg.b = ve_[ve_slot(i)], vg.dout = dv_, vg.db = dve_[ve_slot(i)], vg.dz = dz_;
+            CUDA_CHECK(gate_backward(GateKind::ValueEmbedding, vg, dxn_, D,
+                                     bf(p_["ve_gate_bank"].grad) + ve_gate_index(i) * NUM_HEADS * gate::GW, nullptr, s));
+        }
+        // dqkv: q, k through the rope and the QK norm; v copied back
+        CUDA_CHECK(qk_norm_rope_backward(rope_params(i), s));
+        CUDA_CHECK(cudaMemcpy2DAsync(dqkv_ + 2 * D, 3 * D * 2, dv_, D * 2, D * 2, T, cudaMemcpyDeviceToDevice, s));
+        // QKV projection with W'qkv = sa0 Wqkv
+        CUDA_CHECK(scale_weight(wqkv_, attn_w(i), 3 * D * D, scalars + SCALAR_SA + 2 * i, s));
+        gemms_.bf16(s, Op::N, Op::N, T, D, 3 * D, dqkv_, 3 * D, wqkv_, D, dxn_, D, false, 1.f, 1.f);
+        gemms_.bf16(s, Op::T, Op::N, 3 * D, D, T, dqkv_, 3 * D, l.xn_a, D, dw_, D, true);
+        CUDA_CHECK(scale_weight_backward(dw_, attn_w(i), attn_grad(i), 3 * D * D, scalars + SCALAR_SA + 2 * i,
+                                         gscalars + SCALAR_SA + 2 * i, partial_, s));
+        CUDA_CHECK(rms_norm_backward(l.x_mix, D, dxn_, D, l.rstd_a, dtmp_, D, T, D, s));
+        CUDA_CHECK(combine(dx_, dx_, dtmp_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
     }
 
     // lm_head (fp8 in training, @YouJiacheng; transposed weight, @ChrisJMcCormick) on norm(x) in
-    // xn_, then the soft-capped cross-entropy, chunk by chunk of rows
-    float head_and_loss(const int32_t* targets, int T, const ForwardArgs& fa, cudaStream_t s) {
+    // xn_, then the soft-capped cross-entropy, chunk by chunk of rows. In training each chunk's
+    // backward follows at once: the gradient (e5m2) of the logits gives d norm(x) and the lm_head's
+    // gradient, as the record's mm_t backward does.
+    float head_and_loss(cudaStream_t s) {
+        const int T = T_;
         const int64_t D = MODEL_DIM, V = PADDED_VOCAB_SIZE;
         const __nv_bfloat16* lm_head = bf(p_["lm_head"].data);
-        if (fa.training) {
+        const bool training = fa_.training;
+        if (training) {
             CUDA_CHECK(cast_to_fp8(xn_, D, xf8_, D, T, D, (float)args_.lm_head_x_s, false, false, s));
-            CUDA_CHECK(cast_to_fp8(lm_head, V, wf8_, D, D, V, (float)args_.lm_head_w_s, false, true, s));
+            CUDA_CHECK(cast_to_fp8(xn_, D, xf8t_, T, T, D, (float)args_.lm_head_x_s, false, true, s));
+            CUDA_CHECK(cast_to_fp8(lm_head, V, wf8t_, D, D, V, (float)args_.lm_head_w_s, false, true, s));
+            CUDA_CHECK(cast_to_fp8(lm_head, V, wf8_, V, D, V, (float)args_.lm_head_w_s, false, false, s));
+            CUDA_CHECK(cudaMemsetAsync(lm_grad_, 0, V * D * 4, s));
         }
         for (int r0 = 0; r0 < T; r0 += LOGIT_ROWS) {
             const int rows = std::min(LOGIT_ROWS, T - r0);
-            if (fa.training)
-                gemms_.fp8(s, rows, V, D, xf8_ + (int64_t)r0 * D, CUDA_R_8F_E4M3, D, wf8_, CUDA_R_8F_E4M3, D, logits_, V,
-                           false, x_scale_, w_scale_, true);
+            if (training)
+                gemms_.fp8(s, rows, V, D, xf8_ + (int64_t)r0 * D, CUDA_R_8F_E4M3, D, wf8t_, CUDA_R_8F_E4M3, D, logits_, V,
+                           false, scales_[0], scales_[1], true);
             else
                 gemms_.bf16(s, Op::N, Op::N, rows, V, D, xn_ + (int64_t)r0 * D, D, lm_head, V, logits_, V, false);
             ce::Params cp{};
-            cp.logits = logits_, cp.ld = V, cp.targets = targets + r0, cp.rows = rows, cp.target_rows = T - r0;
+            cp.logits = logits_, cp.ld = V, cp.targets = tokens_ + 1 + r0, cp.rows = rows, cp.target_rows = T - r0;
             cp.vocab = V;
-            const std::vector<float> w = fa.training ? fa.mtp_weights : std::vector<float>{1.f};
+            const std::vector<float> w = training ? fa_.mtp_weights : std::vector<float>{1.f};
             cp.n_predict = (int)w.size();
             for (size_t k = 0; k < w.size(); ++k) cp.w[k] = w[k];
             cp.a = (float)args_.softcap_a, cp.b = (float)args_.softcap_b, cp.c = (float)args_.softcap_c;
             cp.losses = losses_ + r0;
+            if (training) cp.grad = logits_, cp.ld_grad = V, cp.grad_scale = fa_.loss_scale;  // in place
             CUDA_CHECK(softcapped_cross_entropy(cp, s));
+            if (!training) continue;
+            CUDA_CHECK(cast_to_fp8(logits_, V, gf8_, V, rows, V, (float)args_.lm_head_grad_s, true, false, s));
+            CUDA_CHECK(cast_to_fp8(logits_, V, gf8t_, rows, rows, V, (float)args_.lm_head_grad_s, true, true, s));
+            // d norm(x) = g w^T; d lm_head += x^T g (fp32, as the record's grad_w)
+            gemms_.fp8(s, rows, D, V, gf8_, CUDA_R_8F_E5M2, V, wf8_, CUDA_R_8F_E4M3, V, dxn_head_ + (int64_t)r0 * D, D,
+                       false, scales_[2], scales_[1], false);
+            gemms_.fp8(s, D, V, rows, xf8t_ + r0, CUDA_R_8F_E4M3, T, gf8t_, CUDA_R_8F_E5M2, rows, lm_grad_, V, true,
+                       scales_[0], scales_[2], false, 1.f);
         }
-        CUDA_CHECK(sum_floats(losses_, T, loss_, fa.training ? fa.loss_scale : 1.f / T, s));
+        if (training) CUDA_CHECK(add_to_bf16(bf(p_["lm_head"].grad), lm_grad_, V * D, s));
+        CUDA_CHECK(sum_floats(losses_, T, loss_, training ? fa_.loss_scale : 1.f / T, s));
         float loss;
         CUDA_CHECK(cudaMemcpyAsync(&loss, loss_, 4, cudaMemcpyDeviceToHost, s));
         CUDA_CHECK(cudaStreamSynchronize(s));
@@ -1166,12 +1329,20 @@ class Model {
     Gemms& gemms_;
     const Hyperparameters& args_;
     int max_tokens_, max_cu_;
+    // the last forward's batch and schedule, for its backward
+    int T_ = 0, cu_len_ = 0;
+    const int32_t *tokens_ = nullptr, *cu_ = nullptr;
+    ForwardArgs fa_;
     std::vector<void*> buffers_;
-    __nv_bfloat16 *emb_, *x_, *x0_, *skip_, *backout_, *xn_, *ve_[3], *qkv_, *q_, *k_, *v_, *y_, *yg_, *pre_, *post_,
-        *wqkv_, *wo_, *logits_;
-    float *lse_, *losses_, *loss_, *x_scale_, *w_scale_;
+    Layer layers_[NUM_LAYERS];
+    __nv_bfloat16 *emb_, *xs_, *x0_, *x_last_, *x_back_, *xn_, *ve_[3], *wqkv_, *wo_, *logits_;
+    float *rstd0_, *rstd_f_, *losses_, *loss_, *lm_grad_, *scales_[3];  // x_s, w_s, grad_s
     int4* tiles_;
-    uint8_t *xf8_, *wf8_;
+    uint8_t *xf8_, *xf8t_, *wf8t_, *wf8_, *gf8_, *gf8t_;
+    __nv_bfloat16 *dx_, *dtmp_, *dx0_, *dskip_, *dback_, *dxn_, *dy_, *dyg_, *dq_, *dk_, *dv_, *dqkv_, *dpost_, *dpre_,
+        *dxn_head_, *demb_, *dve_[3];
+    float *dw_, *delta_, *dz_, *dlam_rows_, *partial_;
+    std::unique_ptr<EmbeddingBackward> embed_bwd_;
 };
 
 // -----------------------------------------------------------------------------

@@ -613,11 +613,18 @@ inline size_t attention_tiles_bytes(int positions, int cu_len) {
     return (1 + 2 * (size_t)attn::max_tiles(positions, cu_len)) * sizeof(int4);
 }
 
+// The tile schedule of p.cu_seqlens, p.cu_mult and p.window into p.tiles (the forward makes it;
+// a backward whose tiles were overwritten since remakes it).
+inline cudaError_t attention_schedule(const attn::Params& p, cudaStream_t stream) {
+    attn::attn_schedule_kernel<<<1, 1024, 0, stream>>>(p);
+    return cudaGetLastError();
+}
+
 // Forward: out and lse from q, k, v; writes the tile schedule to p.tiles. Returns the launch error.
 inline cudaError_t attention_forward(const attn::Params& p, cudaStream_t stream) {
     static bool configured = false;
     if (cudaError_t e = tk::allow_smem(attn::attn_fwd_kernel, attn::FWD_SMEM, configured)) return e;
-    attn::attn_schedule_kernel<<<1, 1024, 0, stream>>>(p);
+    if (cudaError_t e = attention_schedule(p, stream)) return e;
     attn::attn_fwd_kernel<<<dim3(attn::max_tiles(p.positions, p.cu_len), p.heads), attn::THREADS, attn::FWD_SMEM, stream>>>(p);
     return cudaGetLastError();
 }
@@ -1864,5 +1871,17 @@ __global__ void sum_kernel(const float* x, int n, float* out, float scale) {
 }  // namespace red
 inline cudaError_t sum_floats(const float* x, int n, float* out, float scale, cudaStream_t stream) {
     red::sum_kernel<<<1, 1024, 0, stream>>>(x, n, out, scale);
+    return cudaGetLastError();
+}
+
+// g (bf16) += a (fp32), n values
+namespace red {
+__global__ void add_kernel(__nv_bfloat16* g, const float* a, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        g[i] = __float2bfloat16(__bfloat162float(g[i]) + a[i]);
+}
+}  // namespace red
+inline cudaError_t add_to_bf16(__nv_bfloat16* g, const float* a, int64_t n, cudaStream_t stream) {
+    red::add_kernel<<<(unsigned)std::min<int64_t>((n + 255) / 256, 132 * 8), 256, 0, stream>>>(g, a, n);
     return cudaGetLastError();
 }

@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""Oracle of the record-61 model's forward pass, in plain eager PyTorch (no compile, no Triton),
-written from the record's code. Reads the weights, batch and schedule that tests/test_gpu writes
-to a folder, prints "train_loss <x>" (fp8 lm_head, multi-token prediction, summed and scaled) and
-"eval_loss <x>" (bf16 lm_head, mean next-token loss).
+"""Oracle of the record-61 model, in plain eager PyTorch (no compile, no Triton), written from the
+record's code. Reads the weights, batch and schedule that tests/test_gpu writes to a folder, prints
+"train_loss <x>" (fp8 lm_head, multi-token prediction, summed and scaled), "eval_loss <x>" (bf16
+lm_head, mean next-token loss), and, where the folder holds the trainer's gradients
+(grad_<label>.bin), "grad <label> <relative error>" for every parameter: autograd through this
+model, with the record's fp8 lm_head backward.
 
     python3 tests/model_oracle.py DIR
 """
+import os
 import math
 import sys
 
@@ -57,6 +60,33 @@ def tables(freq, T, paired):
         f1, f2 = th.cos().to(torch.bfloat16), th.sin().to(torch.bfloat16)
     f2[..., 1::2] *= -1
     return f1[None, :, None, :], f2[None, :, None, :]
+
+
+class FP8Head(torch.autograd.Function):
+    """x @ w with fp8 inputs (e4m3, fast accumulation) and an e5m2 gradient, as the record's mm_t."""
+
+    @staticmethod
+    def forward(ctx, x, w, x_s, w_s, grad_s):
+        x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
+        w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
+        out = torch._scaled_mm(x_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
+                               scale_a=torch.tensor(x_s, device=dev), scale_b=torch.tensor(w_s, device=dev),
+                               use_fast_accum=True)
+        ctx.save_for_backward(x_f8, w_f8)
+        ctx.scales = (x_s, w_s, grad_s)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x_f8, w_f8 = ctx.saved_tensors
+        x_s, w_s, grad_s = ctx.scales
+        t = lambda v: torch.tensor(v, device=dev, dtype=torch.float32)
+        g_f8 = g.div(grad_s).to(torch.float8_e5m2)
+        grad_x = torch._scaled_mm(g_f8, w_f8.T, out_dtype=torch.bfloat16, scale_a=t(grad_s), scale_b=t(w_s),
+                                  use_fast_accum=False)
+        grad_w = torch._scaled_mm(x_f8.T.contiguous(), g_f8.T.contiguous().T, out_dtype=torch.float32,
+                                  scale_a=t(x_s), scale_b=t(grad_s), use_fast_accum=False)
+        return grad_x, grad_w.to(torch.bfloat16), None, None, None
 
 
 def forward(P, A, tokens, cu, training):
@@ -143,29 +173,37 @@ def forward(P, A, tokens, cu, training):
         print(f"hidden_vs_embedding {((e - x.float()).norm() / x.float().norm()).item()!r}")
     a, b, c = A["softcap"]
     if training:
-        x_s, w_s = A["fp8_scales"][0], A["fp8_scales"][1]
-        x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
-        w_f8 = P["lm_head"].div(w_s).to(torch.float8_e4m3fn)
-        logits = torch._scaled_mm(x_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
-                                  scale_a=torch.tensor(x_s, device=dev), scale_b=torch.tensor(w_s, device=dev),
-                                  use_fast_accum=True)
+        logits = FP8Head.apply(x, P["lm_head"], *A["fp8_scales"][:3])
         z = a * torch.sigmoid((logits.float() + b) / c)
         lse = torch.logsumexp(z, dim=-1)
         loss = torch.zeros(T, device=dev)
         for kk, wk in enumerate(A["mtp"]):
             rows = T - kk
-            loss[:rows] += wk * (lse[:rows] - z[torch.arange(rows, device=dev), tgt[kk:kk + rows]])
-        return loss.sum().item() * A["loss_scale"][0]
+            loss = loss + F.pad(wk * (lse[:rows] - z[torch.arange(rows, device=dev), tgt[kk:kk + rows]]), (0, kk))
+        return loss.sum() * A["loss_scale"][0]
     logits = x @ P["lm_head"]
     logits = a * torch.sigmoid((logits + b) / c)
     return F.cross_entropy(logits.float(), tgt, reduction="mean").item()
 
 
 def main():
-    P, A, tokens, cu = load(sys.argv[1])
+    d = sys.argv[1]
+    P, A, tokens, cu = load(d)
     with torch.no_grad():
-        print(f"train_loss {forward(P, A, tokens, cu, True)!r}")
+        print(f"train_loss {forward(P, A, tokens, cu, True).item()!r}")
         print(f"eval_loss {forward(P, A, tokens, cu, False)!r}")
+    if not os.path.exists(f"{d}/grad_embed.bin"):
+        return
+    for t in P.values():
+        t.requires_grad_(True)
+    forward(P, A, tokens, cu, True).backward()
+    for label, t in P.items():
+        raw = np.fromfile(f"{d}/grad_{label}.bin", dtype=np.int16 if t.dtype == torch.bfloat16 else np.float32)
+        theirs = torch.from_numpy(raw)
+        theirs = (theirs.view(torch.bfloat16) if t.dtype == torch.bfloat16 else theirs).to(dev).float().view(t.shape)
+        ours = t.grad.float()
+        err = ((theirs - ours).norm() / ours.norm().clamp_min(1e-30)).item()
+        print(f"grad {label} {err!r}")
 
 
 if __name__ == "__main__":

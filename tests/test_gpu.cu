@@ -1142,8 +1142,18 @@ static void test_model_forward(const std::string& dir) {
     cudaStream_t s;
     CUDA_CHECK(cudaStreamCreate(&s));
     fa.training = true;
-    const float train = model.forward(dt.ptr, dcu.ptr, (int)cu.size(), T, fa, s);
     const float train2 = model.forward(dt.ptr, dcu.ptr, (int)cu.size(), T, fa, s);
+    for (Param& p : params.all()) CUDA_CHECK(cudaMemset(p.grad, 0, p.bytes()));  // the forward adds lm_head's
+    const float train = model.forward(dt.ptr, dcu.ptr, (int)cu.size(), T, fa, s);
+    model.backward(s);
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    for (Param& p : params.all()) {
+        std::vector<char> h(p.bytes());
+        CUDA_CHECK(cudaMemcpy(h.data(), p.grad, p.bytes(), cudaMemcpyDeviceToHost));
+        FILE* f = fopen((dir + "/grad_" + p.shape.label + ".bin").c_str(), "wb");
+        fwrite(h.data(), 1, h.size(), f);
+        fclose(f);
+    }
     fa.training = false;
     const float eval = model.forward(dt.ptr, dcu.ptr, (int)cu.size(), T, fa, s);
     CUDA_CHECK(cudaStreamDestroy(s));
@@ -1164,8 +1174,8 @@ static void test_model_forward(const std::string& dir) {
         f = fopen((dir + "/args.txt").c_str(), "w");
         fprintf(f, "T %d\nblock_size %lld\nws_short 3\nws_long 7\nattn_scale %.9g\nloss_scale 0.125\nmtp 1 0.5 0.25\n", T,
                 (long long)args.block_size, fa.yarn.attn_scale);
-        fprintf(f, "softcap %.9g %.9g %.9g\nfp8_scales %.9g %.9g\nfreq", args.softcap_a, args.softcap_b, args.softcap_c,
-                (float)args.lm_head_x_s, (float)args.lm_head_w_s);
+        fprintf(f, "softcap %.9g %.9g %.9g\nfp8_scales %.9g %.9g %.9g\nfreq", args.softcap_a, args.softcap_b, args.softcap_c,
+                (float)args.lm_head_x_s, (float)args.lm_head_w_s, (float)args.lm_head_grad_s);
         for (float v : fa.yarn.angular_freq) fprintf(f, " %.9g", v);
         fprintf(f, "\n");
         fclose(f);
@@ -1191,6 +1201,17 @@ static void test_model_forward(const std::string& dir) {
     // the losses sit near log(vocab) for random weights: the hidden state is the sensitive check
     CHECK(rc == 0 && e_t < 5e-3 && e_e < 5e-3 && e_h < 3e-2 && train == train2,
           "model forward differs from the PyTorch oracle: %s", out.c_str());
+    // every parameter's gradient from one training micro-step
+    int grads = 0;
+    for (size_t at = out.find("grad "); at != std::string::npos; at = out.find("grad ", at + 5)) {
+        char label[64];
+        double err = NAN;
+        if (sscanf(out.c_str() + at, "grad %63s %lf", label, &err) != 2) continue;
+        ++grads;
+        printf("    grad %-15s rel err %.1e\n", label, err);
+        CHECK(err < 2e-2, "gradient of %s differs from the PyTorch oracle (%.2e)", label, err);
+    }
+    CHECK(grads == 13, "the oracle compared %d of 13 gradients: %s", grads, out.c_str());
 }
 
 static void test_optimizer_kernels() {
