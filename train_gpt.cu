@@ -1020,7 +1020,7 @@ class Model {
         logits_ = bf((int64_t)LOGIT_ROWS * V);
         gf8_ = alloc<uint8_t>((int64_t)LOGIT_ROWS * V), gf8t_ = alloc<uint8_t>((int64_t)LOGIT_ROWS * V);
         lm_grad_ = alloc<float>(V * D);
-        losses_ = alloc<float>(T), loss_ = alloc<float>(1);
+        losses_ = alloc<float>(T), loss_ = alloc<float>(1), bad_ = alloc<int>(1);
         // backward workspaces
         dx_ = bf(T * D), dtmp_ = bf(T * D), dx0_ = bf(T * D), dskip_ = bf(T * D), dback_ = bf(T * D), dxn_ = bf(T * D);
         dy_ = bf(T * D), dyg_ = bf(T * D), dq_ = bf(T * D), dk_ = bf(T * D), dv_ = bf(T * D), dqkv_ = bf(T * 3 * D);
@@ -1047,6 +1047,7 @@ class Model {
         if (T % 16) fail(strprintf("forward: %d tokens is not a multiple of 16 (fp8 GEMMs)", T));
         T_ = T, tokens_ = tokens, cu_ = cu, cu_len_ = cu_len, fa_ = fa;
         const int64_t D = MODEL_DIM, TD = (int64_t)T * D;
+        CUDA_CHECK(cudaMemsetAsync(bad_, 0xff, sizeof(int), s));  // -1: all finite
         float* scalars = (float*)p_["scalars"].data;
         float* x0_lambdas = (float*)p_["x0_lambdas"].data;
 
@@ -1078,6 +1079,7 @@ class Model {
             __nv_bfloat16* out = i + 1 < NUM_LAYERS ? layers_[i + 1].x_in : x_last_;
             CUDA_CHECK(cudaMemcpyAsync(out, l.x_attn, TD * 2, cudaMemcpyDeviceToDevice, s));
             gemms_.bf16(s, Op::N, Op::N, T, D, 4 * D, l.post, 4 * D, c_proj(i), D, out, D, false, 1.f, 1.f);
+            CUDA_CHECK(check_finite(out, TD, bad_, i, s));
             x = out;
         }
         // back out layers 0-7's contribution (@classiclarryd; layer 7's output is layer 8's input), final norm
@@ -1320,8 +1322,12 @@ class Model {
         if (training) CUDA_CHECK(add_to_bf16(bf(p_["lm_head"].grad), lm_grad_, V * D, s));
         CUDA_CHECK(sum_floats(losses_, T, loss_, training ? fa_.loss_scale : 1.f / T, s));
         float loss;
+        int bad;
         CUDA_CHECK(cudaMemcpyAsync(&loss, loss_, 4, cudaMemcpyDeviceToHost, s));
+        CUDA_CHECK(cudaMemcpyAsync(&bad, bad_, 4, cudaMemcpyDeviceToHost, s));
         CUDA_CHECK(cudaStreamSynchronize(s));
+        if (bad >= 0) fail(strprintf("the forward pass produced a NaN or infinity in layer %d's output", bad));
+        if (!std::isfinite(loss)) fail("the forward pass produced a non-finite loss (the lm_head or the loss)");
         return loss;
     }
 
@@ -1337,6 +1343,7 @@ class Model {
     Layer layers_[NUM_LAYERS];
     __nv_bfloat16 *emb_, *xs_, *x0_, *x_last_, *x_back_, *xn_, *ve_[3], *wqkv_, *wo_, *logits_;
     float *rstd0_, *rstd_f_, *losses_, *loss_, *lm_grad_, *scales_[3];  // x_s, w_s, grad_s
+    int* bad_;  // the first layer whose output was not finite, or -1
     int4* tiles_;
     uint8_t *xf8_, *xf8t_, *wf8t_, *wf8_, *gf8_, *gf8t_;
     __nv_bfloat16 *dx_, *dtmp_, *dx0_, *dskip_, *dback_, *dxn_, *dy_, *dyg_, *dq_, *dk_, *dv_, *dqkv_, *dpost_, *dpre_,

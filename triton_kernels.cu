@@ -1885,3 +1885,22 @@ inline cudaError_t add_to_bf16(__nv_bfloat16* g, const float* a, int64_t n, cuda
     red::add_kernel<<<(unsigned)std::min<int64_t>((n + 255) / 256, 132 * 8), 256, 0, stream>>>(g, a, n);
     return cudaGetLastError();
 }
+
+// Sets *flag to `tag` (the first time only) when x holds a NaN or an infinity: the model's forward
+// checks every layer's output this way and names the first bad layer once it syncs for the loss.
+namespace red {
+__global__ void finite_kernel(const __nv_bfloat16* x, int64_t n8, int* flag, int tag) {
+    bool bad = false;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8; i += (int64_t)gridDim.x * blockDim.x) {
+        float f[8];
+        tk::load8(x + i * 8, f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) bad |= !isfinite(f[e]);
+    }
+    if (__syncthreads_or(bad) && threadIdx.x == 0) atomicCAS(flag, -1, tag);
+}
+}  // namespace red
+inline cudaError_t check_finite(const __nv_bfloat16* x, int64_t n, int* flag, int tag, cudaStream_t stream) {
+    red::finite_kernel<<<264, 256, 0, stream>>>(x, n / 8, flag, tag);
+    return cudaGetLastError();
+}

@@ -77,6 +77,53 @@ int main() {
             for (void* q : {(void*)grad, (void*)v, (void*)p, (void*)buf, (void*)g, (void*)sm, (void*)lr, (void*)mant})
                 CUDA_CHECK(cudaFree(q));
         }
+    // the model: forward + backward of one micro-batch at the record's sizes, FineWeb-like documents
+    printf("\nModel forward + backward, one micro-batch (random weights)\n");
+    {
+        Hyperparameters args;
+        size_t free0, total;
+        CUDA_CHECK(cudaMemGetInfo(&free0, &total));
+        ParamStore params(1, 0);
+        Model model(params, gemms, args, 49152, 512);
+        size_t free1;
+        CUDA_CHECK(cudaMemGetInfo(&free1, &total));
+        std::mt19937_64 rng(7);
+        std::lognormal_distribution<double> len(std::log(450.0), 0.9);
+        cudaStream_t s;
+        CUDA_CHECK(cudaStreamCreate(&s));
+        for (int T : {16384, 32768, 49152}) {
+            std::vector<int> tokens(T + 1), cu = {0};
+            for (int pos = 0; pos < T;) {
+                int L = std::min(T - pos, std::max(1, std::min(2048, (int)len(rng))));
+                tokens[pos] = BOS_ID;
+                for (int i = 1; i < L; ++i) tokens[pos + i] = (int)(rng() % BOS_ID);
+                pos += L;
+                cu.push_back(pos);
+            }
+            tokens[T] = 0;
+            const int cu_len = (int)next_multiple_of_n(T / 300, 128);
+            while ((int)cu.size() < cu_len) cu.push_back(T);
+            int *dt, *dcu;
+            CUDA_CHECK(cudaMalloc(&dt, tokens.size() * 4));
+            CUDA_CHECK(cudaMalloc(&dcu, cu.size() * 4));
+            CUDA_CHECK(cudaMemcpy(dt, tokens.data(), tokens.size() * 4, cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(dcu, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
+            ForwardArgs fa;
+            fa.mtp_weights = {1.f, 0.5f, 0.25f};
+            fa.ws_short = 1, fa.ws_long = 3;
+            fa.yarn = yarn_reset(args);
+            fa.loss_scale = 0.125f;
+            float t_f = time_ms([&] { model.forward(dt, dcu, (int)cu.size(), T, fa, s); }, 10);
+            float t_fb = time_ms([&] { model.forward(dt, dcu, (int)cu.size(), T, fa, s); model.backward(s); }, 10);
+            printf("  %6d tokens: forward (with the lm_head's backward) %7.2f ms, forward + backward %7.2f ms\n", T, t_f, t_fb);
+            CUDA_CHECK(cudaFree(dt));
+            CUDA_CHECK(cudaFree(dcu));
+        }
+        CUDA_CHECK(cudaStreamDestroy(s));
+        printf("  device memory of the parameters, gradients, activations and workspaces: %.1f GiB\n",
+               (free0 - free1) / 1073741824.0);
+    }
+
     printf("\nAdam on one GPU\n");
     struct AdamParam { const char* name; int64_t n; };
     for (AdamParam ap : {AdamParam{"embed (50304x768)", 50304LL * 768}, AdamParam{"ve0..2 (3x50304x768)", 3LL * 50304 * 768},

@@ -1212,6 +1212,18 @@ static void test_model_forward(const std::string& dir) {
         CHECK(err < 2e-2, "gradient of %s differs from the PyTorch oracle (%.2e)", label, err);
     }
     CHECK(grads == 13, "the oracle compared %d of 13 gradients: %s", grads, out.c_str());
+    // a NaN in layer 5's MLP stops the forward pass with the layer's name
+    {
+        Param& mlp = params["mlp"];
+        const uint16_t nan = 0x7fc0;
+        CUDA_CHECK(cudaMemcpy((uint16_t*)mlp.data + (int64_t)5 * 8 * 768 * 768 + 4 * 768 * 768 + 123, &nan, 2,
+                              cudaMemcpyHostToDevice));
+        cudaStream_t s2;
+        CUDA_CHECK(cudaStreamCreate(&s2));
+        fa.training = true;
+        expect_error("NaN in layer 5", [&] { model.forward(dt.ptr, dcu.ptr, (int)cu.size(), T, fa, s2); }, {"layer 5"});
+        CUDA_CHECK(cudaStreamDestroy(s2));
+    }
 }
 
 static void test_optimizer_kernels() {
