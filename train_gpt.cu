@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdarg>
 #include <cstdint>
@@ -750,78 +751,6 @@ static std::vector<ParamConfig> build_param_configs(const Hyperparameters& a, co
     return cfgs;
 }
 
-// Polar Express (Amsel, Persson, Musco, Gower, arXiv 2505.16932): 5 fixed iterations
-// X <- a X + (b A + c A A) X with A = X X^T, in bf16, on the wide orientation of each matrix,
-// after Frobenius normalisation (x 1.02 + 1e-6). Coefficients of record 61 (num_iters 5, safety
-// factor 2e-2, cushion 2).
-static const float polar_express_coeffs[5][3] = {
-    {8.156554524902461f, -22.48329292557795f, 15.878769915207462f},
-    {4.042929935166739f, -2.808917465908714f, 0.5000178451051316f},
-    {3.8916678022926607f, -2.772484153217685f, 0.5060648178503393f},
-    {3.285753657755655f, -2.3681294933425376f, 0.46449024233003106f},
-    {2.3465413258596377f, -1.7097828382687081f, 0.42323551169305323f}};
-
-class PolarExpress {
-   public:
-    // for batches of up to `count` matrices of rows x cols
-    PolarExpress(int count, int rows, int cols) : count_(count), rows_(rows), cols_(cols) {
-        const int64_t n = (int64_t)count * rows * cols, m = std::min(rows, cols);
-        CUDA_CHECK(cudaMalloc(&x_[0], n * sizeof(__nv_bfloat16)));
-        CUDA_CHECK(cudaMalloc(&x_[1], n * sizeof(__nv_bfloat16)));
-        CUDA_CHECK(cudaMalloc(&a_, (int64_t)count * m * m * sizeof(__nv_bfloat16)));
-        CUDA_CHECK(cudaMalloc(&b_, (int64_t)count * m * m * sizeof(__nv_bfloat16)));
-        CUDA_CHECK(cudaMalloc(&partial_, (int64_t)count * opt::NORM_BLOCKS * sizeof(float)));
-    }
-    ~PolarExpress() {
-        for (void* p : {(void*)x_[0], (void*)x_[1], (void*)a_, (void*)b_, (void*)partial_}) CUDA_CHECK(cudaFree(p));
-    }
-    PolarExpress(const PolarExpress&) = delete;
-    PolarExpress& operator=(const PolarExpress&) = delete;
-
-    // out (bf16, count x rows x cols) = the orthogonalised g (fp32, same shape)
-    void run(Gemms& gemms, const float* g, __nv_bfloat16* out, int count, cudaStream_t stream) {
-        if (count > count_) fatal(strprintf("PolarExpress: %d matrices, room for %d", count, count_));
-        const bool tall = rows_ > cols_;
-        const int m = std::min(rows_, cols_), n = std::max(rows_, cols_);  // X is m x n, wide
-        const int64_t mn = (int64_t)m * n, mm = (int64_t)m * m;
-        CUDA_CHECK(frobenius_normalize(g, x_[0], count, mn, partial_, stream));
-        __nv_bfloat16* x = x_[0];
-        __nv_bfloat16* next = x_[1];
-        if (tall) {
-            CUDA_CHECK(transpose_bf16(x_[0], x_[1], count, rows_, cols_, stream));
-            std::swap(x, next);
-        } else {
-            next = out;  // the 5 iterations end in out
-        }
-        for (int it = 0; it < 5; ++it) {
-            const float a = polar_express_coeffs[it][0], b = polar_express_coeffs[it][1], c = polar_express_coeffs[it][2];
-            sym::Params sp{x, mn, n, nullptr, 0, 0, a_, mm, m, m, n, 1.f, 0.f};
-            CUDA_CHECK(symmetric_product(sp, count, stream));  // A = X X^T
-            sym::Params sq{a_, mm, m, a_, mm, m, b_, mm, m, m, m, c, b};
-            CUDA_CHECK(symmetric_product(sq, count, stream));  // B = b A + c A A
-            gemms.bf16_batched(stream, count, Op::N, Op::N, m, n, m, b_, m, mm, x, n, mn, x, next, n, mn, 1.f, a);
-            std::swap(x, next);
-        }
-        if (tall) CUDA_CHECK(transpose_bf16(x, out, count, m, n, stream));
-    }
-
-   private:
-    int count_, rows_, cols_;
-    __nv_bfloat16* x_[2] = {nullptr, nullptr};
-    __nv_bfloat16 *a_ = nullptr, *b_ = nullptr;
-    float* partial_ = nullptr;
-};
-
-// -----------------------------------------------------------------------------
-// Model: the parameters, each bank in one allocation with its gradient beside it. (The forward and
-// backward passes come next.) Layer i's slices: attn_bank[attn_index(i)] holds rows q, k, v, o of
-// 768 each; mlp_bank[i] holds c_fc then c_proj (3072 x 768 each).
-
-static int attn_index(int layer) { return layer < 6 ? layer : layer - 1; }  // layer 6 has no attention
-static bool has_attention(int layer) { return layer != 6; }
-static bool paired_head(int layer) { return layer == 0 || layer == 2 || layer == 5 || layer == 9; }
-static bool long_window(int layer) { return layer == 3 || layer == 10; }
-
 // Offsets into scalars: resid lambdas, sa lambdas (2 per layer), smear, backout, skip, padding ones.
 constexpr int SCALAR_RESID = 0, SCALAR_SA = NUM_LAYERS, SCALAR_SMEAR = 3 * NUM_LAYERS, SCALAR_BACKOUT = SCALAR_SMEAR + 1,
               SCALAR_SKIP = SCALAR_SMEAR + 2;
@@ -939,6 +868,232 @@ class ParamStore {
     std::vector<Param> params_;
 };
 
+// Polar Express (Amsel, Persson, Musco, Gower, arXiv 2505.16932): 5 fixed iterations
+// X <- a X + (b A + c A A) X with A = X X^T, in bf16, on the wide orientation of each matrix,
+// after Frobenius normalisation (x 1.02 + 1e-6). Coefficients of record 61 (num_iters 5, safety
+// factor 2e-2, cushion 2).
+static const float polar_express_coeffs[5][3] = {
+    {8.156554524902461f, -22.48329292557795f, 15.878769915207462f},
+    {4.042929935166739f, -2.808917465908714f, 0.5000178451051316f},
+    {3.8916678022926607f, -2.772484153217685f, 0.5060648178503393f},
+    {3.285753657755655f, -2.3681294933425376f, 0.46449024233003106f},
+    {2.3465413258596377f, -1.7097828382687081f, 0.42323551169305323f}};
+
+class PolarExpress {
+   public:
+    // for batches of up to `count` matrices of rows x cols
+    PolarExpress(int count, int rows, int cols) : count_(count), rows_(rows), cols_(cols) {
+        const int64_t n = (int64_t)count * rows * cols, m = std::min(rows, cols);
+        CUDA_CHECK(cudaMalloc(&x_[0], n * sizeof(__nv_bfloat16)));
+        CUDA_CHECK(cudaMalloc(&x_[1], n * sizeof(__nv_bfloat16)));
+        CUDA_CHECK(cudaMalloc(&a_, (int64_t)count * m * m * sizeof(__nv_bfloat16)));
+        CUDA_CHECK(cudaMalloc(&b_, (int64_t)count * m * m * sizeof(__nv_bfloat16)));
+        CUDA_CHECK(cudaMalloc(&partial_, (int64_t)count * opt::NORM_BLOCKS * sizeof(float)));
+    }
+    ~PolarExpress() {
+        for (void* p : {(void*)x_[0], (void*)x_[1], (void*)a_, (void*)b_, (void*)partial_}) CUDA_CHECK(cudaFree(p));
+    }
+    PolarExpress(const PolarExpress&) = delete;
+    PolarExpress& operator=(const PolarExpress&) = delete;
+
+    // out (bf16, count x rows x cols) = the orthogonalised g (fp32, same shape)
+    void run(Gemms& gemms, const float* g, __nv_bfloat16* out, int count, cudaStream_t stream) {
+        if (count > count_) fatal(strprintf("PolarExpress: %d matrices, room for %d", count, count_));
+        const bool tall = rows_ > cols_;
+        const int m = std::min(rows_, cols_), n = std::max(rows_, cols_);  // X is m x n, wide
+        const int64_t mn = (int64_t)m * n, mm = (int64_t)m * m;
+        CUDA_CHECK(frobenius_normalize(g, x_[0], count, mn, partial_, stream));
+        __nv_bfloat16* x = x_[0];
+        __nv_bfloat16* next = x_[1];
+        if (tall) {
+            CUDA_CHECK(transpose_bf16(x_[0], x_[1], count, rows_, cols_, stream));
+            std::swap(x, next);
+        } else {
+            next = out;  // the 5 iterations end in out
+        }
+        for (int it = 0; it < 5; ++it) {
+            const float a = polar_express_coeffs[it][0], b = polar_express_coeffs[it][1], c = polar_express_coeffs[it][2];
+            sym::Params sp{x, mn, n, nullptr, 0, 0, a_, mm, m, m, n, 1.f, 0.f};
+            CUDA_CHECK(symmetric_product(sp, count, stream));  // A = X X^T
+            sym::Params sq{a_, mm, m, a_, mm, m, b_, mm, m, m, m, c, b};
+            CUDA_CHECK(symmetric_product(sq, count, stream));  // B = b A + c A A
+            gemms.bf16_batched(stream, count, Op::N, Op::N, m, n, m, b_, m, mm, x, n, mn, x, next, n, mn, 1.f, a);
+            std::swap(x, next);
+        }
+        if (tall) CUDA_CHECK(transpose_bf16(x, out, count, m, n, stream));
+    }
+
+   private:
+    int count_, rows_, cols_;
+    __nv_bfloat16* x_[2] = {nullptr, nullptr};
+    __nv_bfloat16 *a_ = nullptr, *b_ = nullptr;
+    float* partial_ = nullptr;
+};
+
+// The optimizer step of record 61. In work_order, per parameter: Adam (on odd steps; the gradients
+// of Adam parameters accumulate over two steps) or NorMuon (every step). While embed is tied to
+// lm_head, embed's gradient is added transposed into lm_head's before the update and embed is
+// written as lm_head^T after it; at the untie step lm_head's Adam state moves, transposed, to embed.
+// One GPU for now: the sharded and replicated communication over NCCL comes next.
+class NorMuonAndAdam {
+   public:
+    NorMuonAndAdam(ParamStore& params, Gemms& gemms, const Hyperparameters& a, int world_size, int rank)
+        : params_(params), gemms_(gemms) {
+        if (world_size != 1)
+            fail(strprintf("the optimizer runs on one GPU so far (world size %d): its NCCL communication comes next",
+                           world_size));
+        for (const ParamConfig& c : build_param_configs(a, model_params(world_size), world_size, rank)) {
+            State st;
+            st.cfg = c;
+            st.p = &params[c.label];
+            const int64_t n = c.chunk_numel();
+            if (c.optim == Optim::Adam) {
+                st.m = alloc<float>(n), st.v = alloc<float>(n);
+            } else {
+                st.buf = alloc<float>(n), st.mant = alloc<uint16_t>(n);
+                st.sm = alloc<float>(c.second_moment_shape[0] * c.second_moment_shape[1] * c.second_moment_shape[2]);
+                st.lrs = alloc<float>(c.chunk_size);
+                st.pe = std::make_unique<PolarExpress>((int)c.chunk_size, (int)c.chunk_shape[1], (int)c.chunk_shape[2]);
+                scratch_ = std::max(scratch_, n);
+            }
+            states_.push_back(std::move(st));
+        }
+        g32_ = alloc<float>(scratch_), v_ = alloc<__nv_bfloat16>(scratch_);
+        reset(0);
+        CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    ~NorMuonAndAdam() {
+        for (void* b : buffers_) CUDA_CHECK(cudaFree(b));
+    }
+    NorMuonAndAdam(const NorMuonAndAdam&) = delete;
+    NorMuonAndAdam& operator=(const NorMuonAndAdam&) = delete;
+
+    // lr_mult: get_lr(step); momentum: get_muon_momentum(step); do_adam: is_adam_step(step)
+    void step(double lr_mult, double momentum, bool do_adam, cudaStream_t s) {
+        State& lm = state("lm_head");
+        State& em = state("embed");
+        if (do_adam && !split_)  // tied: embed's gradient joins lm_head's
+            CUDA_CHECK(transpose(bf(em.p->grad), bf(lm.p->grad), 1, PADDED_VOCAB_SIZE, MODEL_DIM, true, s));
+        for (const char* label : work_order) {
+            State& st = state(label);
+            if (st.cfg.optim == Optim::Adam) {
+                if (!do_adam || (st.cfg.label == "embed" && !split_)) continue;
+                adam(st, lr_mult, s);
+                if (st.cfg.label == "lm_head" && !split_)
+                    CUDA_CHECK(transpose(bf(lm.p->data), bf(em.p->data), 1, MODEL_DIM, PADDED_VOCAB_SIZE, false, s));
+            } else {
+                normuon(st, lr_mult, momentum, s);
+            }
+        }
+        // gradients start over: NorMuon's every step, Adam's after the steps that use them
+        for (State& st : states_)
+            if (st.cfg.optim == Optim::NorMuon || do_adam) CUDA_CHECK(cudaMemsetAsync(st.p->grad, 0, st.p->bytes(), s));
+    }
+
+    // the untie step (record: copy_lm_state_to_embed): embed's Adam state is lm_head's, transposed
+    void untie(cudaStream_t s) {
+        State& lm = state("lm_head");
+        State& em = state("embed");
+        CUDA_CHECK(transpose(lm.m, em.m, 1, MODEL_DIM, PADDED_VOCAB_SIZE, false, s));
+        CUDA_CHECK(transpose(lm.v, em.v, 1, MODEL_DIM, PADDED_VOCAB_SIZE, false, s));
+        em.t = lm.t;
+        split_ = true;
+    }
+
+    // back to the initial state: zero moments, buffers and step counts, embed tied again
+    void reset(cudaStream_t s) {
+        for (State& st : states_) {
+            const int64_t n = st.cfg.chunk_numel();
+            for (float* f : {st.m, st.v, st.buf})
+                if (f) CUDA_CHECK(cudaMemsetAsync(f, 0, n * sizeof(float), s));
+            if (st.mant) CUDA_CHECK(cudaMemsetAsync(st.mant, 0, n * sizeof(uint16_t), s));
+            if (st.sm) {
+                const auto& sh = st.cfg.second_moment_shape;
+                CUDA_CHECK(cudaMemsetAsync(st.sm, 0, sh[0] * sh[1] * sh[2] * sizeof(float), s));
+            }
+            st.t = 0;
+        }
+        split_ = false;
+    }
+
+    bool split() const { return split_; }
+
+   private:
+    struct State {
+        ParamConfig cfg;
+        Param* p = nullptr;
+        float *m = nullptr, *v = nullptr;  // Adam moments
+        int64_t t = 0;                     // Adam steps taken
+        float *buf = nullptr, *sm = nullptr, *lrs = nullptr;  // NorMuon momentum, second moment, per-matrix lr
+        uint16_t* mant = nullptr;          // the low 16 bits of the fp32 weights
+        std::unique_ptr<PolarExpress> pe;
+    };
+
+    template <typename T>
+    T* alloc(int64_t n) {
+        void* p;
+        CUDA_CHECK(cudaMalloc(&p, std::max<int64_t>(n, 1) * sizeof(T)));
+        buffers_.push_back(p);
+        return (T*)p;
+    }
+    static __nv_bfloat16* bf(void* p) { return (__nv_bfloat16*)p; }
+    State& state(const std::string& label) {
+        for (State& st : states_)
+            if (st.cfg.label == label) return st;
+        fail("optimizer: no parameter '" + label + "'");
+    }
+
+    void adam(State& st, double lr_mult, cudaStream_t s) {
+        const ParamConfig& c = st.cfg;
+        const double lr = c.initial_lr * lr_mult * c.lr_mul;
+        st.t += 1;
+        const double bias1 = 1 - std::pow(c.beta1, (double)st.t), bias2 = 1 - std::pow(c.beta2, (double)st.t);
+        const float step_size = (float)(lr * std::sqrt(bias2) / bias1);
+        const float eff_wd = (float)(lr * lr * c.weight_decay * c.wd_mul);
+        const int64_t n = c.chunk_numel();
+        if (st.p->shape.fp32)
+            CUDA_CHECK(adam_update((float*)st.p->data, (const float*)st.p->grad, st.m, st.v, n, (float)c.beta1,
+                                   (float)c.beta2, (float)c.eps, step_size, eff_wd, s));
+        else
+            CUDA_CHECK(adam_update(bf(st.p->data), (const __nv_bfloat16*)st.p->grad, st.m, st.v, n, (float)c.beta1,
+                                   (float)c.beta2, (float)c.eps, step_size, eff_wd, s));
+    }
+
+    void normuon(State& st, double lr_mult, double momentum, cudaStream_t s) {
+        const ParamConfig& c = st.cfg;
+        const double lr = c.initial_lr * lr_mult;
+        const int count = (int)c.chunk_size, rows = (int)c.chunk_shape[1], cols = (int)c.chunk_shape[2];
+        const int64_t per = (int64_t)rows * cols, n = per * count;
+        std::vector<float> lrs(count);
+        for (int i = 0; i < count; ++i)
+            lrs[i] = (float)(c.lr_mul * (c.per_matrix_lr_mul.empty() ? 1.0 : c.per_matrix_lr_mul[i]) * lr);
+        CUDA_CHECK(cudaMemcpyAsync(st.lrs, lrs.data(), count * sizeof(float), cudaMemcpyHostToDevice, s));
+        CUDA_CHECK(nesterov_momentum((const __nv_bfloat16*)st.p->grad, st.buf, g32_, n, (float)momentum, s));
+        st.pe->run(gemms_, g32_, v_, count, s);
+        CUDA_CHECK(normuon_variance(v_, st.sm, count, rows, cols, (float)c.normuon_beta2, s));
+        CUDA_CHECK(normuon_apply(bf(st.p->data), st.mant, v_, per, count, st.lrs,
+                                 (float)(c.wd_mul * c.weight_decay * lr), s));
+    }
+
+    ParamStore& params_;
+    Gemms& gemms_;
+    std::vector<State> states_;
+    std::vector<void*> buffers_;
+    int64_t scratch_ = 0;
+    float* g32_ = nullptr;
+    __nv_bfloat16* v_ = nullptr;
+    bool split_ = false;
+};
+
+// -----------------------------------------------------------------------------
+// Model. Layer i's weights: attn_bank[attn_index(i)] holds rows q, k, v, o of 768 each; mlp_bank[i]
+// holds c_fc then c_proj (3072 x 768 each).
+
+static int attn_index(int layer) { return layer < 6 ? layer : layer - 1; }  // layer 6 has no attention
+static bool has_attention(int layer) { return layer != 6; }
+static bool paired_head(int layer) { return layer == 0 || layer == 2 || layer == 5 || layer == 9; }
+static bool long_window(int layer) { return layer == 3 || layer == 10; }
+
 // YaRN (@YouJiacheng's half-truncated RoPE with base-frequency tuning; YaRN updates on window
 // changes). State is the fp32 angular frequency per head dim and the attention scale; the
 // cos/sin tables are built from it on the GPU.
@@ -995,32 +1150,38 @@ struct ForwardArgs {
 // micro-steps of a step.
 class Model {
    public:
-    Model(ParamStore& params, Gemms& gemms, const Hyperparameters& args, int max_tokens, int max_cu_len)
-        : p_(params), gemms_(gemms), args_(args), max_tokens_(max_tokens), max_cu_(max_cu_len) {
-        const int64_t T = max_tokens, D = MODEL_DIM, V = PADDED_VOCAB_SIZE;
+    // Training micro-batches of up to max_tokens keep every layer's activations for the backward;
+    // evaluation batches of up to max_eval_tokens (forward only) rotate through two layers' worth.
+    Model(ParamStore& params, Gemms& gemms, const Hyperparameters& args, int max_tokens, int max_eval_tokens,
+          int max_cu_len)
+        : p_(params), gemms_(gemms), args_(args), max_tokens_(max_tokens), max_eval_(max_eval_tokens),
+          max_cu_(max_cu_len) {
+        const int64_t T = max_tokens, TE = std::max(max_tokens, max_eval_tokens), D = MODEL_DIM, V = PADDED_VOCAB_SIZE;
         auto bf = [&](int64_t n) { return alloc<__nv_bfloat16>(n); };
-        emb_ = bf(T * D), xs_ = bf(T * D), x0_ = bf(T * D), x_last_ = bf(T * D), x_back_ = bf(T * D), xn_ = bf(T * D);
-        rstd0_ = alloc<float>(T), rstd_f_ = alloc<float>(T);
-        for (auto& v : ve_) v = bf(T * D);
-        for (Layer& l : layers_) {
-            l.x_in = bf(T * D), l.x_mix = bf(T * D), l.x_attn = bf(T * D), l.xn_m = bf(T * D);
-            l.pre = bf(T * 4 * D), l.post = bf(T * 4 * D);
-            l.rstd_a = alloc<float>(T), l.rstd_m = alloc<float>(T);
-        }
-        for (int i = 0; i < NUM_LAYERS; ++i) {
-            if (!has_attention(i)) continue;
-            Layer& l = layers_[i];
-            l.xn_a = bf(T * D), l.qkv = bf(T * 3 * D), l.q = bf(T * D), l.k = bf(T * D), l.v = bf(T * D);
-            l.y = bf(T * D), l.yg = bf(T * D), l.lse = alloc<float>(NUM_HEADS * T);
+        emb_ = bf(TE * D), xs_ = bf(TE * D), x0_ = bf(TE * D), x_last_ = bf(TE * D), x_back_ = bf(TE * D), xn_ = bf(TE * D);
+        rstd0_ = alloc<float>(TE), rstd_f_ = alloc<float>(TE);
+        for (auto& v : ve_) v = bf(TE * D);
+        auto make_layer = [&](Layer& l, int64_t n, bool attention) {
+            l.x_in = bf(n * D), l.x_mix = bf(n * D), l.x_attn = bf(n * D), l.xn_m = bf(n * D);
+            l.pre = bf(n * 4 * D), l.post = bf(n * 4 * D);
+            l.rstd_a = alloc<float>(n), l.rstd_m = alloc<float>(n);
+            if (!attention) return;
+            l.xn_a = bf(n * D), l.qkv = bf(n * 3 * D), l.q = bf(n * D), l.k = bf(n * D), l.v = bf(n * D);
+            l.y = bf(n * D), l.yg = bf(n * D), l.lse = alloc<float>(NUM_HEADS * n);
+        };
+        for (int i = 0; i < NUM_LAYERS; ++i) make_layer(layers_[i], T, has_attention(i));
+        if (max_eval_tokens > 0) {
+            for (Layer& l : eval_) make_layer(l, max_eval_tokens, true);
+            eval_skip_ = bf((int64_t)max_eval_tokens * D), eval_back_ = bf((int64_t)max_eval_tokens * D);
         }
         wqkv_ = bf(3 * D * D), wo_ = bf(D * D);
-        tiles_ = (int4*)alloc<unsigned char>(attention_tiles_bytes(2 * max_tokens, max_cu_len));
+        tiles_ = (int4*)alloc<unsigned char>(attention_tiles_bytes(2 * (int)TE, max_cu_len));
         xf8_ = alloc<uint8_t>(T * D), xf8t_ = alloc<uint8_t>(T * D);
         wf8t_ = alloc<uint8_t>(V * D), wf8_ = alloc<uint8_t>(V * D);
         logits_ = bf((int64_t)LOGIT_ROWS * V);
         gf8_ = alloc<uint8_t>((int64_t)LOGIT_ROWS * V), gf8t_ = alloc<uint8_t>((int64_t)LOGIT_ROWS * V);
         lm_grad_ = alloc<float>(V * D);
-        losses_ = alloc<float>(T), loss_ = alloc<float>(1), bad_ = alloc<int>(1);
+        losses_ = alloc<float>(TE), loss_ = alloc<float>(1), bad_ = alloc<int>(1);
         // backward workspaces
         dx_ = bf(T * D), dtmp_ = bf(T * D), dx0_ = bf(T * D), dskip_ = bf(T * D), dback_ = bf(T * D), dxn_ = bf(T * D);
         dy_ = bf(T * D), dyg_ = bf(T * D), dq_ = bf(T * D), dk_ = bf(T * D), dv_ = bf(T * D), dqkv_ = bf(T * 3 * D);
@@ -1042,8 +1203,9 @@ class Model {
     // tokens: T + 1 ids (inputs tokens[0, T), targets tokens[1, T]); cu: cu_len cu_seqlens. Returns
     // the loss (training: the MTP loss summed over tokens times loss_scale; evaluation: the mean).
     float forward(const int32_t* tokens, const int32_t* cu, int cu_len, int T, const ForwardArgs& fa, cudaStream_t s) {
-        if (T > max_tokens_ || cu_len > max_cu_)
-            fail(strprintf("forward: %d tokens / %d cu_seqlens exceed %d / %d", T, cu_len, max_tokens_, max_cu_));
+        const int max_t = fa.training ? max_tokens_ : max_eval_;
+        if (T > max_t || cu_len > max_cu_)
+            fail(strprintf("forward: %d tokens / %d cu_seqlens exceed %d / %d", T, cu_len, max_t, max_cu_));
         if (T % 16) fail(strprintf("forward: %d tokens is not a multiple of 16 (fp8 GEMMs)", T));
         T_ = T, tokens_ = tokens, cu_ = cu, cu_len_ = cu_len, fa_ = fa;
         const int64_t D = MODEL_DIM, TD = (int64_t)T * D;
@@ -1062,11 +1224,13 @@ class Model {
         CUDA_CHECK(rms_norm_forward(xs_, D, x0_, D, rstd0_, T, D, RMS_NORM_EPS, s));
         const __nv_bfloat16* x = x0_;
         for (int i = 0; i < NUM_LAYERS; ++i) {
-            Layer& l = layers_[i];
+            Layer& l = layer(i);
             if (x != l.x_in) CUDA_CHECK(cudaMemcpyAsync(l.x_in, x, TD * 2, cudaMemcpyDeviceToDevice, s));
+            if (!fa.training && i == 4) CUDA_CHECK(cudaMemcpyAsync(eval_skip_, x, TD * 2, cudaMemcpyDeviceToDevice, s));
+            if (!fa.training && i == 8) CUDA_CHECK(cudaMemcpyAsync(eval_back_, x, TD * 2, cudaMemcpyDeviceToDevice, s));
             if (i == 6) {  // skip from layer 3's output (layer 4's input), gated by x0 (U-net)
                 gate::Params sk = row_gate(T, x0_, bf(p_["skip_gate"].data), scalars + SCALAR_SKIP);
-                sk.a = l.x_in, sk.b = layers_[4].x_in;
+                sk.a = l.x_in, sk.b = skip_source();
                 CUDA_CHECK(gate_forward(GateKind::Skip, sk, s));
             }
             CUDA_CHECK(combine(l.x_mix, l.x_in, x0_, TD, {scalars + SCALAR_RESID + i, 1.f, 0.f}, {x0_lambdas + i, 1.f, 0.f}, s));
@@ -1076,20 +1240,21 @@ class Model {
             CUDA_CHECK(rms_norm_forward(l.x_attn, D, l.xn_m, D, l.rstd_m, T, D, RMS_NORM_EPS, s));
             gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, l.xn_m, D, c_fc(i), D, l.pre, 4 * D, false);
             CUDA_CHECK(relu_square_forward(l.pre, l.post, (int64_t)T * 4 * D, s));
-            __nv_bfloat16* out = i + 1 < NUM_LAYERS ? layers_[i + 1].x_in : x_last_;
+            __nv_bfloat16* out = i + 1 < NUM_LAYERS ? layer(i + 1).x_in : x_last_;
             CUDA_CHECK(cudaMemcpyAsync(out, l.x_attn, TD * 2, cudaMemcpyDeviceToDevice, s));
             gemms_.bf16(s, Op::N, Op::N, T, D, 4 * D, l.post, 4 * D, c_proj(i), D, out, D, false, 1.f, 1.f);
             CUDA_CHECK(check_finite(out, TD, bad_, i, s));
             x = out;
         }
         // back out layers 0-7's contribution (@classiclarryd; layer 7's output is layer 8's input), final norm
-        CUDA_CHECK(combine(x_back_, x_last_, layers_[8].x_in, TD, {nullptr, 0.f, 1.f}, {scalars + SCALAR_BACKOUT, -1.f, 0.f}, s));
+        CUDA_CHECK(combine(x_back_, x_last_, backout_source(), TD, {nullptr, 0.f, 1.f}, {scalars + SCALAR_BACKOUT, -1.f, 0.f}, s));
         CUDA_CHECK(rms_norm_forward(x_back_, D, xn_, D, rstd_f_, T, D, RMS_NORM_EPS, s));
         return head_and_loss(s);
     }
 
     // The backward of the last training forward: adds every parameter's gradient into its buffer.
     void backward(cudaStream_t s) {
+        if (!fa_.training) fail("backward: the last forward pass was an evaluation");
         const int T = T_;
         const int64_t D = MODEL_DIM, TD = (int64_t)T * D;
         float* scalars = (float*)p_["scalars"].data;
@@ -1161,6 +1326,10 @@ class Model {
         return (T*)p;
     }
     static __nv_bfloat16* bf(void* p) { return (__nv_bfloat16*)p; }
+    // layer i's activations in this forward: its own in training, one of two alternating in evaluation
+    Layer& layer(int i) { return fa_.training ? layers_[i] : eval_[i & 1]; }
+    __nv_bfloat16* skip_source() { return fa_.training ? layers_[4].x_in : eval_skip_; }   // layer 3's output
+    __nv_bfloat16* backout_source() { return fa_.training ? layers_[8].x_in : eval_back_; }  // layer 7's output
     // bank slices: layer i's attention weights (q, k, v, o rows) and MLP matrices
     const __nv_bfloat16* attn_w(int i) { return bf(p_["attn"].data) + (int64_t)attn_index(i) * 4 * MODEL_DIM * MODEL_DIM; }
     __nv_bfloat16* attn_grad(int i) { return bf(p_["attn"].grad) + (int64_t)attn_index(i) * 4 * MODEL_DIM * MODEL_DIM; }
@@ -1180,12 +1349,12 @@ class Model {
     }
     gate::Params head_gate(int i, const __nv_bfloat16* w) {
         gate::Params g{};
-        g.tokens = T_, g.heads = NUM_HEADS, g.x = layers_[i].xn_a, g.ld_x = MODEL_DIM, g.w = w;
+        g.tokens = T_, g.heads = NUM_HEADS, g.x = layer(i).xn_a, g.ld_x = MODEL_DIM, g.w = w;
         g.ld_a = g.ld_b = g.ld_out = g.ld_dout = g.ld_da = g.ld_db = MODEL_DIM;
         return g;
     }
     attn::Params attn_params(int i) {
-        Layer& l = layers_[i];
+        Layer& l = layer(i);
         const bool paired = paired_head(i);
         const int64_t stride = paired ? MODEL_DIM / 2 : MODEL_DIM;
         attn::Params ap{};
@@ -1200,7 +1369,7 @@ class Model {
         return ap;
     }
     qkrope::Params rope_params(int i) {
-        Layer& l = layers_[i];
+        Layer& l = layer(i);
         qkrope::Params qr{};
         qr.qkv = l.qkv, qr.ld = 3 * MODEL_DIM, qr.q = l.q, qr.k = l.k, qr.tokens = T_, qr.heads = NUM_HEADS;
         for (int f = 0; f < 32; ++f) qr.freq[f] = fa_.yarn.angular_freq[2 * f];
@@ -1211,7 +1380,7 @@ class Model {
 
     // x_attn = x_mix + O(gate(attention(rope(norm(q)), rope(norm(k)), v + ve gate))) of norm(x_mix)
     void attention_forward_block(int i, cudaStream_t s) {
-        Layer& l = layers_[i];
+        Layer& l = layer(i);
         const int T = T_;
         const int64_t D = MODEL_DIM;
         float* scalars = (float*)p_["scalars"].data;
@@ -1334,13 +1503,14 @@ class Model {
     ParamStore& p_;
     Gemms& gemms_;
     const Hyperparameters& args_;
-    int max_tokens_, max_cu_;
+    int max_tokens_, max_eval_, max_cu_;
     // the last forward's batch and schedule, for its backward
     int T_ = 0, cu_len_ = 0;
     const int32_t *tokens_ = nullptr, *cu_ = nullptr;
     ForwardArgs fa_;
     std::vector<void*> buffers_;
-    Layer layers_[NUM_LAYERS];
+    Layer layers_[NUM_LAYERS], eval_[2];
+    __nv_bfloat16 *eval_skip_ = nullptr, *eval_back_ = nullptr;
     __nv_bfloat16 *emb_, *xs_, *x0_, *x_last_, *x_back_, *xn_, *ve_[3], *wqkv_, *wo_, *logits_;
     float *rstd0_, *rstd_f_, *losses_, *loss_, *lm_grad_, *scales_[3];  // x_s, w_s, grad_s
     int* bad_;  // the first layer whose output was not finite, or -1
@@ -2134,58 +2304,152 @@ static int trainer_main(int argc, char** argv) {
     print0(run_command("nvidia-smi 2>&1"));
     print0(LOG_RULE);
 
-    // The parameters, initialised from the seed (the model's passes come next)
+    // The parameters, initialised from the seed; the model, its optimizer
     ParamStore params(world_size, args.seed);
     print0(strprintf("parameters: %lld in %zu banks, %.1f MiB with gradients", (long long)params.count(),
                      model_params(world_size).size(), params.bytes() / 1048576.0), true);
-
-    // Data: the first training steps and the first validation batch, uploaded to the GPU as the
-    // training loop will do it.
-    int64_t capacity = 0;
+    int64_t capacity = 0;  // the largest training micro-batch of a rank
     for (int64_t bs : args.train_bs_schedule) capacity = std::max(capacity, bs);
     capacity = std::max(capacity, args.train_bs_extension) / 8;
+    const int64_t eval_local = args.val_batch_size / 8;
+    const int64_t max_local = std::max(capacity, eval_local);
+    const int max_cu = (int)next_multiple_of_n(max_local / 300, 128);
+    Gemms gemms;
+    Model model(params, gemms, args, (int)capacity, (int)eval_local, max_cu);
+    NorMuonAndAdam optimizer(params, gemms, args, world_size, rank);
+    // the initial weights, restored after the warmup
+    std::vector<void*> initial;
+    for (Param& p : params.all()) {
+        void* copy;
+        CUDA_CHECK(cudaMalloc(&copy, p.bytes()));
+        CUDA_CHECK(cudaMemcpy(copy, p.data, p.bytes(), cudaMemcpyDeviceToDevice));
+        initial.push_back(copy);
+    }
+
+    int32_t *d_tokens = nullptr, *d_cu = nullptr;
+    CUDA_CHECK(cudaMalloc(&d_tokens, (max_local + 1) * sizeof(int32_t)));
+    CUDA_CHECK(cudaMalloc(&d_cu, max_cu * sizeof(int32_t)));
+    cudaStream_t stream;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     LoaderOptions train_opt;
     train_opt.cycle = args.cycle_data;
     train_opt.capacity_tokens = capacity;
-    DistributedDataGenerator train_loader(train_pattern, {get_bs(args, 0), args.train_max_seq_len, grad_accum_steps},
-                                          rank, world_size, train_opt);
     LoaderOptions val_opt;
     val_opt.align_to_bos = false;
-    DistributedDataGenerator val_loader(val_pattern, {args.val_batch_size, -1, grad_accum_steps}, rank, world_size, val_opt);
-
-    int32_t *d_tokens = nullptr, *d_cu = nullptr;
-    const int64_t max_local = std::max(capacity, args.val_batch_size / 8);
-    CUDA_CHECK(cudaMalloc(&d_tokens, (max_local + 1) * sizeof(int32_t)));
-    CUDA_CHECK(cudaMalloc(&d_cu, next_multiple_of_n(max_local / 300, 128) * sizeof(int32_t)));
-    cudaStream_t stream;
-    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    auto describe = [&](const char* what, HostBatch& b, const std::string& file) {
-        const int32_t* in = b.inputs();
-        return strprintf("%s inputs:(%lld,) targets:(%lld,) cu_seqlens:(%lld,) docs:%lld first:[%d %d %d %d] file:%s",
-                         what, (long long)b.num_tokens, (long long)b.num_tokens, (long long)b.max_num_docs,
-                         (long long)b.num_docs, in[0], in[1], in[2], in[3], file.c_str());
+    val_opt.capacity_tokens = eval_local;
+    auto new_train_loader = [&] {
+        return std::make_unique<DistributedDataGenerator>(
+            train_pattern, BatchSize{get_bs(args, 0), args.train_max_seq_len, grad_accum_steps}, rank, world_size, train_opt);
     };
-    for (int64_t step = 0; step < 2; ++step) {
-        Windows ws = get_ws(args, step);
-        std::string mtp;
-        for (float w : get_mtp_weights(args, step)) mtp += (mtp.empty() ? "" : ",") + format_double(w);
-        print0(strprintf("step:%lld bs:%lld ws:%lld/%lld lr:%s momentum:%s mtp:[%s] adam:%d", (long long)step,
-                         (long long)get_bs(args, step), (long long)ws.short_ws, (long long)ws.long_ws,
-                         format_double(get_lr(args, step)).c_str(), format_double(get_muon_momentum(args, step)).c_str(),
-                         mtp.c_str(), (int)is_adam_step(step)), true);
+    auto new_val_loader = [&] {
+        return std::make_unique<DistributedDataGenerator>(val_pattern, BatchSize{args.val_batch_size, -1, grad_accum_steps},
+                                                          rank, world_size, val_opt);
+    };
+
+    // The training manager's state: windows with their YaRN state, and the batch size
+    ForwardArgs fa;
+    int64_t batch_size = 0;
+    auto reset_schedule = [&] {
+        Windows w = get_ws(args, 0);
+        fa.ws_short = w.short_ws, fa.ws_long = w.long_ws;
+        fa.yarn = yarn_reset(args);
+        batch_size = get_bs(args, 0);
+    };
+    auto advance_schedule = [&](int64_t step, DistributedDataGenerator& loader) {
+        Windows w = get_ws(args, step);
+        if (w.long_ws != fa.ws_long) yarn_apply(args, fa.yarn, fa.ws_long, w.long_ws);
+        fa.ws_short = w.short_ws, fa.ws_long = w.long_ws;
+        const int64_t bs = get_bs(args, step);
+        if (bs != batch_size) loader.set_batch_size({bs, args.train_max_seq_len, grad_accum_steps});
+        batch_size = bs;
+        fa.mtp_weights = get_mtp_weights(args, step);
+    };
+    bool shown[2] = {false, false};  // the first batch of each kind goes to the log
+    auto forward_batch = [&](DistributedDataGenerator& loader, bool training) {
+        HostBatch& b = loader.next();
+        loader.upload(b, d_tokens, d_cu, stream);
+        if (!shown[training]) {
+            shown[training] = true;
+            print0(strprintf("first %s batch of rank 0: inputs:(%lld,) targets:(%lld,) cu_seqlens:(%lld,) documents:%lld "
+                             "from %s", training ? "training" : "validation", (long long)b.num_tokens,
+                             (long long)b.num_tokens, (long long)b.max_num_docs, (long long)b.num_docs,
+                             loader.current_file().c_str()), true);
+        }
+        fa.training = training;
+        fa.loss_scale = 1.f / grad_accum_steps;
+        return model.forward(d_tokens, d_cu, (int)b.max_num_docs, (int)b.num_tokens, fa, stream);
+    };
+    auto train_step = [&](int64_t step, DistributedDataGenerator& loader) {
         for (int micro = 0; micro < grad_accum_steps; ++micro) {
-            HostBatch& b = train_loader.next();
-            train_loader.upload(b, d_tokens, d_cu, stream);
-            print0(describe(strprintf("train step:%lld micro:%d rank:0", (long long)step, micro).c_str(), b,
-                            train_loader.current_file()), true);
+            forward_batch(loader, true);
+            model.backward(stream);
+        }
+        optimizer.step(get_lr(args, step), get_muon_momentum(args, step), is_adam_step(step), stream);
+        if (step == get_split_step(args)) optimizer.untie(stream);
+    };
+
+    // Warmup: the first steps and each window change +-1, untimed, then back to the initial state
+    // (the record warms up its compiled kernels this way; here it also proves every shape runs)
+    reset_schedule();
+    {
+        auto train_loader = new_train_loader();
+        auto val_loader = new_val_loader();
+        std::string list;
+        for (int64_t st : get_warmup_steps(args)) list += (list.empty() ? "" : ",") + std::to_string(st);
+        print0("warmup steps " + list, true);
+        for (int64_t step : get_warmup_steps(args)) {
+            advance_schedule(step, *train_loader);
+            forward_batch(*val_loader, false);
+            train_step(step, *train_loader);
         }
     }
-    HostBatch& vb = val_loader.next();
-    val_loader.upload(vb, d_tokens, d_cu, stream);
-    print0(describe("val batch:0 rank:0", vb, val_loader.current_file()), true);
+    print0("resetting the model", true);
+    for (size_t i = 0; i < initial.size(); ++i) {
+        Param& p = params.all()[i];
+        CUDA_CHECK(cudaMemcpyAsync(p.data, initial[i], p.bytes(), cudaMemcpyDeviceToDevice, stream));
+        CUDA_CHECK(cudaMemsetAsync(p.grad, 0, p.bytes(), stream));
+    }
+    optimizer.reset(stream);
+    reset_schedule();
     CUDA_CHECK(cudaStreamSynchronize(stream));
-    print0("training is not implemented yet: the model, optimizer and loop come next", true);
 
+    // Training and validation (the record's loop; the clock stops for validation)
+    auto train_loader = new_train_loader();
+    const int64_t train_steps = args.num_iterations();
+    double training_time_ms = 0;
+    CUDA_CHECK(cudaDeviceSynchronize());
+    auto t0 = std::chrono::steady_clock::now();
+    auto elapsed_ms = [&] { return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(); };
+    for (int64_t step = 0; step <= train_steps; ++step) {
+        const bool last_step = step == train_steps;
+        advance_schedule(step, *train_loader);
+        if (last_step || (args.val_loss_every > 0 && step % args.val_loss_every == 0)) {
+            if (last_step) fa.ws_long = args.ws_validate_post_yarn_ext;  // no YaRN update for this one
+            CUDA_CHECK(cudaDeviceSynchronize());
+            training_time_ms += elapsed_ms();
+            const int64_t val_steps = grad_accum_steps * args.val_tokens / args.val_batch_size;
+            auto val_loader = new_val_loader();
+            double val_loss = 0;
+            for (int64_t v = 0; v < val_steps; ++v) val_loss += forward_batch(*val_loader, false);
+            val_loss /= val_steps;
+            print0(strprintf("step:%lld/%lld val_loss:%.4f train_time:%.0fms step_avg:%.2fms", (long long)step,
+                             (long long)train_steps, val_loss, training_time_ms,
+                             training_time_ms / std::max<int64_t>(step, 1)), true);
+            CUDA_CHECK(cudaDeviceSynchronize());
+            t0 = std::chrono::steady_clock::now();
+        }
+        if (last_step) break;
+        train_step(step, *train_loader);
+        const double approx = training_time_ms + elapsed_ms();
+        print0(strprintf("step:%lld/%lld train_time:%.0fms step_avg:%.2fms", (long long)step + 1, (long long)train_steps,
+                         approx, approx / (step + 1)), true);
+    }
+    size_t free_b = 0, total_b = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    const double used_mib = (total_b - free_b) / 1048576.0;
+    print0(strprintf("peak memory allocated: %.0f MiB reserved: %.0f MiB", used_mib, used_mib), true);
+
+    for (void* p : initial) CUDA_CHECK(cudaFree(p));
     CUDA_CHECK(cudaFree(d_tokens));
     CUDA_CHECK(cudaFree(d_cu));
     CUDA_CHECK(cudaStreamDestroy(stream));

@@ -1198,12 +1198,13 @@ inline cudaError_t symmetric_product(const sym::Params& p, int batch, cudaStream
 
 namespace opt {
 
-// Batched bf16 transpose: dst[b][c][r] = src[b][r][c], 64 x 64 tiles through shared memory.
-__global__ void transpose_kernel(const __nv_bfloat16* src, int64_t src_stride, __nv_bfloat16* dst, int64_t dst_stride,
-                                 int rows, int cols) {
-    __shared__ __nv_bfloat16 tile[64][64 + 2];
-    const __nv_bfloat16* s = src + blockIdx.z * src_stride;
-    __nv_bfloat16* d = dst + blockIdx.z * dst_stride;
+// Batched transpose: dst[b][c][r] = src[b][r][c] (or += with ACCUMULATE: the tied embedding's
+// gradient added into lm_head's), 64 x 64 tiles through shared memory so reads and writes coalesce.
+template <typename T, bool ACCUMULATE>
+__global__ void transpose_kernel(const T* src, int64_t src_stride, T* dst, int64_t dst_stride, int rows, int cols) {
+    __shared__ T tile[64][64 + 2];
+    const T* s = src + blockIdx.z * src_stride;
+    T* d = dst + blockIdx.z * dst_stride;
     const int r0 = blockIdx.y * 64, c0 = blockIdx.x * 64;
     for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x) {
         const int r = i / 64, c = i % 64;
@@ -1212,7 +1213,11 @@ __global__ void transpose_kernel(const __nv_bfloat16* src, int64_t src_stride, _
     __syncthreads();
     for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x) {
         const int c = i / 64, r = i % 64;
-        if (r0 + r < rows && c0 + c < cols) d[(int64_t)(c0 + c) * rows + r0 + r] = tile[r][c];
+        if (r0 + r < rows && c0 + c < cols) {
+            T* out = &d[(int64_t)(c0 + c) * rows + r0 + r];
+            if (ACCUMULATE) *out = (T)((float)*out + (float)tile[r][c]);
+            else *out = tile[r][c];
+        }
     }
 }
 
@@ -1333,11 +1338,18 @@ inline unsigned grid_for(int64_t n) { return (unsigned)std::min<int64_t>((n + 25
 
 }  // namespace opt
 
+// dst (batch x cols x rows) = src^T, or += src^T with accumulate
+template <typename T>
+inline cudaError_t transpose(const T* src, T* dst, int batch, int rows, int cols, bool accumulate, cudaStream_t stream) {
+    dim3 grid((cols + 63) / 64, (rows + 63) / 64, batch);
+    const int64_t stride = (int64_t)rows * cols;
+    if (accumulate) opt::transpose_kernel<T, true><<<grid, 256, 0, stream>>>(src, stride, dst, stride, rows, cols);
+    else opt::transpose_kernel<T, false><<<grid, 256, 0, stream>>>(src, stride, dst, stride, rows, cols);
+    return cudaGetLastError();
+}
 inline cudaError_t transpose_bf16(const __nv_bfloat16* src, __nv_bfloat16* dst, int batch, int rows, int cols,
                                   cudaStream_t stream) {
-    dim3 grid((cols + 63) / 64, (rows + 63) / 64, batch);
-    opt::transpose_kernel<<<grid, 256, 0, stream>>>(src, (int64_t)rows * cols, dst, (int64_t)rows * cols, rows, cols);
-    return cudaGetLastError();
+    return transpose(src, dst, batch, rows, cols, false, stream);
 }
 // partial: batch * opt::NORM_BLOCKS floats of workspace
 inline cudaError_t frobenius_normalize(const float* g, __nv_bfloat16* x, int batch, int64_t n, float* partial,

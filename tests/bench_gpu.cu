@@ -84,7 +84,7 @@ int main() {
         size_t free0, total;
         CUDA_CHECK(cudaMemGetInfo(&free0, &total));
         ParamStore params(1, 0);
-        Model model(params, gemms, args, 49152, 512);
+        Model model(params, gemms, args, 49152, 0, 512);
         size_t free1;
         CUDA_CHECK(cudaMemGetInfo(&free1, &total));
         std::mt19937_64 rng(7);

@@ -1137,7 +1137,7 @@ static void test_model_forward(const std::string& dir) {
     yarn_apply(args, fa.yarn, 3, 7);  // past a window change: YaRN-updated frequencies and scale
     fa.loss_scale = 0.125f;
     Gemms gemms;
-    Model model(params, gemms, args, T, (int)cu.size());
+    Model model(params, gemms, args, T, T, (int)cu.size());
     DeviceArray<int> dt(tokens), dcu(cu);
     cudaStream_t s;
     CUDA_CHECK(cudaStreamCreate(&s));
