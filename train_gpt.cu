@@ -2393,13 +2393,12 @@ static int trainer_main(int argc, char** argv) {
     reset_schedule();
     {
         auto train_loader = new_train_loader();
-        auto val_loader = new_val_loader();
         std::string list;
         for (int64_t st : get_warmup_steps(args)) list += (list.empty() ? "" : ",") + std::to_string(st);
         print0("warmup steps " + list, true);
         for (int64_t step : get_warmup_steps(args)) {
             advance_schedule(step, *train_loader);
-            forward_batch(*val_loader, false);
+            forward_batch(*new_val_loader(), false);  // the first validation batch: small validation sets suffice
             train_step(step, *train_loader);
         }
     }
