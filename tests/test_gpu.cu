@@ -1226,6 +1226,87 @@ static void test_model_forward(const std::string& dir) {
     }
 }
 
+// Four optimizer steps (Adam and NorMuon, NorMuon alone, the untie, a step after it) on the real
+// parameters against tests/optimizer_oracle.py (plain PyTorch); compares the weight changes.
+static void test_optimizer_step(const std::string& dir) {
+    if (system("python3 -c 'import torch, numpy' >/dev/null 2>&1") != 0) {
+        printf("  SKIP optimizer step: python3 with torch and numpy is needed for the oracle\n");
+        return;
+    }
+    Hyperparameters args;
+    ParamStore params(1, 5);
+    Gemms gemms;
+    NorMuonAndAdam opt(params, gemms, args, 1, 0);
+    auto dump = [&](const std::string& prefix, bool grads) {
+        for (Param& p : params.all()) {
+            std::vector<char> h(p.bytes());
+            CUDA_CHECK(cudaMemcpy(h.data(), grads ? p.grad : p.data, p.bytes(), cudaMemcpyDeviceToHost));
+            FILE* f = fopen((dir + "/" + prefix + p.shape.label + ".bin").c_str(), "wb");
+            fwrite(h.data(), 1, h.size(), f);
+            fclose(f);
+        }
+    };
+    FILE* meta = fopen((dir + "/params.txt").c_str(), "w");
+    for (Param& p : params.all()) {
+        fprintf(meta, "%s %s", p.shape.label.c_str(), p.shape.fp32 ? "fp32" : "bf16");
+        for (int64_t d : p.shape.shape) fprintf(meta, " %lld", (long long)d);
+        fprintf(meta, "\n");
+    }
+    fclose(meta);
+    dump("init_", false);
+    struct Step { int step; double lr, momentum; bool untie; };
+    const Step steps[] = {{1, 1.0, 0.9, false}, {2, 0.8, 0.92, false}, {3, 0.6, 0.95, true}, {5, 0.5, 0.95, false}};
+    FILE* sf = fopen((dir + "/steps.txt").c_str(), "w");
+    std::mt19937_64 rng(70);
+    std::normal_distribution<float> nd(0.f, 0.01f);
+    for (size_t k = 0; k < std::size(steps); ++k) {
+        fprintf(sf, "%d %.17g %.17g %d\n", steps[k].step, steps[k].lr, steps[k].momentum, (int)steps[k].untie);
+        for (Param& p : params.all()) {  // this step's gradient, added to what the optimizer kept
+            const int64_t n = p.shape.numel();
+            std::vector<uint16_t> inc16, cur16;
+            std::vector<float> inc32, cur32;
+            if (p.shape.fp32) {
+                inc32.resize(n), cur32.resize(n);
+                for (auto& v : inc32) v = nd(rng);
+                CUDA_CHECK(cudaMemcpy(cur32.data(), p.grad, n * 4, cudaMemcpyDeviceToHost));
+                for (int64_t i = 0; i < n; ++i) cur32[i] += inc32[i];
+                CUDA_CHECK(cudaMemcpy(p.grad, cur32.data(), n * 4, cudaMemcpyHostToDevice));
+            } else {
+                inc16.resize(n), cur16.resize(n);
+                for (auto& v : inc16) v = float_to_bf16(nd(rng));
+                CUDA_CHECK(cudaMemcpy(cur16.data(), p.grad, n * 2, cudaMemcpyDeviceToHost));
+                for (int64_t i = 0; i < n; ++i) cur16[i] = float_to_bf16(bf16_to_float(cur16[i]) + bf16_to_float(inc16[i]));
+                CUDA_CHECK(cudaMemcpy(p.grad, cur16.data(), n * 2, cudaMemcpyHostToDevice));
+            }
+            FILE* f = fopen((dir + "/grad" + std::to_string(k) + "_" + p.shape.label + ".bin").c_str(), "wb");
+            if (p.shape.fp32) fwrite(inc32.data(), 4, n, f);
+            else fwrite(inc16.data(), 2, n, f);
+            fclose(f);
+        }
+        opt.step(steps[k].lr, steps[k].momentum, steps[k].step % 2 == 1, 0);
+        if (steps[k].untie) opt.untie(0);
+        CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    fclose(sf);
+    dump("final_", false);
+    std::string out;
+    FILE* pp = popen(("python3 '" + std::string(TRAIN_GPT_SRC_DIR) + "/tests/optimizer_oracle.py' '" + dir + "' 2>&1").c_str(), "r");
+    char buf[4096];
+    size_t nread;
+    while ((nread = fread(buf, 1, sizeof buf, pp)) > 0) out.append(buf, nread);
+    const int rc = pclose(pp);
+    int compared = 0;
+    for (size_t at = out.find("param "); at != std::string::npos; at = out.find("param ", at + 6)) {
+        char label[64];
+        double err = NAN;
+        if (sscanf(out.c_str() + at, "param %63s %lf", label, &err) != 2) continue;
+        ++compared;
+        printf("  optimizer 4 steps: %-15s weight change rel err %.1e\n", label, err);
+        CHECK(err < 3e-2, "optimizer: %s differs from the PyTorch oracle (%.2e)", label, err);
+    }
+    CHECK(rc == 0 && compared == 13, "the optimizer oracle compared %d of 13 parameters: %s", compared, out.c_str());
+}
+
 static void test_optimizer_kernels() {
     polar_express_case(3, 128, 256, 30);
     polar_express_case(2, 384, 128, 31);
@@ -1284,7 +1365,7 @@ int main(int argc, char** argv) {
     printf("GPU: %s (compute capability %d.%d)\n", prop.name, prop.major, prop.minor);
     char tmpl[] = "/tmp/train_gpt_gpu_XXXXXX";
     if (!mkdtemp(tmpl)) fatal("cannot make a temporary folder");
-    // --only NAME: one group (upload, attention, kernels, optimizer, model)
+    // --only NAME: one group (upload, attention, kernels, optimizer, model, step)
     const std::string only = argc > 2 && std::string(argv[1]) == "--only" ? argv[2] : "";
     auto want = [&](const char* name) { return only.empty() || only == name; };
     try {
@@ -1293,6 +1374,7 @@ int main(int argc, char** argv) {
         if (want("kernels")) test_model_kernels();
         if (want("optimizer")) test_optimizer_kernels();
         if (want("model")) test_model_forward(tmpl);
+        if (want("step")) test_optimizer_step(tmpl);
     } catch (const std::exception& ex) {
         ++g_failed;
         printf("FAIL: uncaught error: %s\n", ex.what());
