@@ -2268,6 +2268,9 @@ static int trainer_main(int argc, char** argv) {
     Hyperparameters args;
     parse_args(args, cli);
     validate_args(args, world_size);
+    if (world_size > 1)
+        fail(strprintf("%d ranks: training on several GPUs needs the optimizer's NCCL communication, which is not "
+                       "built yet; run on one GPU (NGPU=1 ./run.sh)", world_size));
     const int grad_accum_steps = 8 / world_size;
     const char* dp = getenv("DATA_PATH");
     const std::string data_path = dp ? dp : ".";
