@@ -187,6 +187,29 @@ static bool g_mpi_up = false;
         }                                                                                        \
     } while (0)
 
+// Device buffers that live and die together (the model's and the optimizer's workspaces).
+class DeviceArena {
+   public:
+    DeviceArena() = default;
+    ~DeviceArena() {
+        for (void* b : buffers_) CUDA_CHECK(cudaFree(b));
+    }
+    DeviceArena(const DeviceArena&) = delete;
+    DeviceArena& operator=(const DeviceArena&) = delete;
+    template <typename T>
+    T* alloc(int64_t n) {
+        void* p;
+        CUDA_CHECK(cudaMalloc(&p, std::max<int64_t>(n, 1) * sizeof(T)));
+        buffers_.push_back(p);
+        return (T*)p;
+    }
+
+   private:
+    std::vector<void*> buffers_;
+};
+
+static __nv_bfloat16* as_bf16(void* p) { return (__nv_bfloat16*)p; }
+
 static int64_t next_multiple_of_n(int64_t v, int64_t n) { return v <= 0 ? n : (v + n - 1) / n * n; }
 
 // -----------------------------------------------------------------------------
@@ -962,9 +985,6 @@ class NorMuonAndAdam {
         reset(0);
         CUDA_CHECK(cudaDeviceSynchronize());
     }
-    ~NorMuonAndAdam() {
-        for (void* b : buffers_) CUDA_CHECK(cudaFree(b));
-    }
     NorMuonAndAdam(const NorMuonAndAdam&) = delete;
     NorMuonAndAdam& operator=(const NorMuonAndAdam&) = delete;
 
@@ -1030,13 +1050,8 @@ class NorMuonAndAdam {
     };
 
     template <typename T>
-    T* alloc(int64_t n) {
-        void* p;
-        CUDA_CHECK(cudaMalloc(&p, std::max<int64_t>(n, 1) * sizeof(T)));
-        buffers_.push_back(p);
-        return (T*)p;
-    }
-    static __nv_bfloat16* bf(void* p) { return (__nv_bfloat16*)p; }
+    T* alloc(int64_t n) { return arena_.alloc<T>(n); }
+    static __nv_bfloat16* bf(void* p) { return as_bf16(p); }
     State& state(const std::string& label) {
         for (State& st : states_)
             if (st.cfg.label == label) return st;
@@ -1078,7 +1093,7 @@ class NorMuonAndAdam {
     ParamStore& params_;
     Gemms& gemms_;
     std::vector<State> states_;
-    std::vector<void*> buffers_;
+    DeviceArena arena_;
     int64_t scratch_ = 0;
     float* g32_ = nullptr;
     __nv_bfloat16* v_ = nullptr;
@@ -1193,9 +1208,6 @@ class Model {
         const float vals[3] = {(float)args.lm_head_x_s, (float)args.lm_head_w_s, (float)args.lm_head_grad_s};
         for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaMemcpy(scales_[i], &vals[i], 4, cudaMemcpyHostToDevice));
         embed_bwd_ = std::make_unique<EmbeddingBackward>(max_tokens);
-    }
-    ~Model() {
-        for (void* b : buffers_) CUDA_CHECK(cudaFree(b));
     }
     Model(const Model&) = delete;
     Model& operator=(const Model&) = delete;
@@ -1319,13 +1331,8 @@ class Model {
     };
 
     template <typename T>
-    T* alloc(int64_t n) {
-        void* p;
-        CUDA_CHECK(cudaMalloc(&p, std::max<int64_t>(n, 1) * sizeof(T)));
-        buffers_.push_back(p);
-        return (T*)p;
-    }
-    static __nv_bfloat16* bf(void* p) { return (__nv_bfloat16*)p; }
+    T* alloc(int64_t n) { return arena_.alloc<T>(n); }
+    static __nv_bfloat16* bf(void* p) { return as_bf16(p); }
     // layer i's activations in this forward: its own in training, one of two alternating in evaluation
     Layer& layer(int i) { return fa_.training ? layers_[i] : eval_[i & 1]; }
     __nv_bfloat16* skip_source() { return fa_.training ? layers_[4].x_in : eval_skip_; }   // layer 3's output
@@ -1508,7 +1515,7 @@ class Model {
     int T_ = 0, cu_len_ = 0;
     const int32_t *tokens_ = nullptr, *cu_ = nullptr;
     ForwardArgs fa_;
-    std::vector<void*> buffers_;
+    DeviceArena arena_;
     Layer layers_[NUM_LAYERS], eval_[2];
     __nv_bfloat16 *eval_skip_ = nullptr, *eval_back_ = nullptr;
     __nv_bfloat16 *emb_, *xs_, *x0_, *x_last_, *x_back_, *xn_, *ve_[3], *wqkv_, *wo_, *logits_;

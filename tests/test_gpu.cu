@@ -1074,6 +1074,27 @@ static void scalar_ops_case(int64_t n, uint64_t seed) {
           "scalar-weighted ops differ from the fp64 reference");
 }
 
+// Runs a tests/ oracle script on a folder; returns its exit status, with what it printed in out.
+static int run_oracle(const char* script, const std::string& dir, std::string& out) {
+    FILE* pp = popen(("python3 '" + std::string(TRAIN_GPT_SRC_DIR) + "/tests/" + script + "' '" + dir + "' 2>&1").c_str(), "r");
+    if (!pp) return -1;
+    char buf[4096];
+    size_t nread;
+    while ((nread = fread(buf, 1, sizeof buf, pp)) > 0) out.append(buf, nread);
+    return pclose(pp);
+}
+// the "<key> <label> <value>" lines of an oracle's output
+static std::vector<std::pair<std::string, double>> oracle_values(const std::string& out, const std::string& key) {
+    std::vector<std::pair<std::string, double>> values;
+    for (size_t at = out.find(key + " "); at != std::string::npos; at = out.find(key + " ", at + 1)) {
+        if (at > 0 && out[at - 1] != '\n') continue;
+        char label[64];
+        double v = NAN;
+        if (sscanf(out.c_str() + at + key.size(), " %63s %lf", label, &v) == 2) values.push_back({label, v});
+    }
+    return values;
+}
+
 // The model's forward pass against tests/model_oracle.py (plain PyTorch) on random weights and a
 // batch of documents: the training loss (fp8 head, MTP) and the evaluation loss.
 static void test_model_forward(const std::string& dir) {
@@ -1181,11 +1202,7 @@ static void test_model_forward(const std::string& dir) {
         fclose(f);
     }
     std::string out;
-    FILE* pp = popen(("python3 '" + std::string(TRAIN_GPT_SRC_DIR) + "/tests/model_oracle.py' '" + dir + "' 2>&1").c_str(), "r");
-    char buf[4096];
-    size_t nread;
-    while ((nread = fread(buf, 1, sizeof buf, pp)) > 0) out.append(buf, nread);
-    const int rc = pclose(pp);
+    const int rc = run_oracle("model_oracle.py", dir, out);
     double o_train = NAN, o_eval = NAN;
     size_t a = out.find("train_loss "), b = out.find("eval_loss ");
     if (a != std::string::npos) o_train = atof(out.c_str() + a + 11);
@@ -1202,16 +1219,12 @@ static void test_model_forward(const std::string& dir) {
     CHECK(rc == 0 && e_t < 5e-3 && e_e < 5e-3 && e_h < 3e-2 && train == train2,
           "model forward differs from the PyTorch oracle: %s", out.c_str());
     // every parameter's gradient from one training micro-step
-    int grads = 0;
-    for (size_t at = out.find("grad "); at != std::string::npos; at = out.find("grad ", at + 5)) {
-        char label[64];
-        double err = NAN;
-        if (sscanf(out.c_str() + at, "grad %63s %lf", label, &err) != 2) continue;
-        ++grads;
-        printf("    grad %-15s rel err %.1e\n", label, err);
-        CHECK(err < 2e-2, "gradient of %s differs from the PyTorch oracle (%.2e)", label, err);
+    const auto grads = oracle_values(out, "grad");
+    for (const auto& [label, err] : grads) {
+        printf("    grad %-15s rel err %.1e\n", label.c_str(), err);
+        CHECK(err < 2e-2, "gradient of %s differs from the PyTorch oracle (%.2e)", label.c_str(), err);
     }
-    CHECK(grads == 13, "the oracle compared %d of 13 gradients: %s", grads, out.c_str());
+    CHECK(grads.size() == 13, "the oracle compared %zu of 13 gradients: %s", grads.size(), out.c_str());
     // a NaN in layer 5's MLP stops the forward pass with the layer's name
     {
         Param& mlp = params["mlp"];
@@ -1290,21 +1303,14 @@ static void test_optimizer_step(const std::string& dir) {
     fclose(sf);
     dump("final_", false);
     std::string out;
-    FILE* pp = popen(("python3 '" + std::string(TRAIN_GPT_SRC_DIR) + "/tests/optimizer_oracle.py' '" + dir + "' 2>&1").c_str(), "r");
-    char buf[4096];
-    size_t nread;
-    while ((nread = fread(buf, 1, sizeof buf, pp)) > 0) out.append(buf, nread);
-    const int rc = pclose(pp);
-    int compared = 0;
-    for (size_t at = out.find("param "); at != std::string::npos; at = out.find("param ", at + 6)) {
-        char label[64];
-        double err = NAN;
-        if (sscanf(out.c_str() + at, "param %63s %lf", label, &err) != 2) continue;
-        ++compared;
-        printf("  optimizer 4 steps: %-15s weight change rel err %.1e\n", label, err);
-        CHECK(err < 3e-2, "optimizer: %s differs from the PyTorch oracle (%.2e)", label, err);
+    const int rc = run_oracle("optimizer_oracle.py", dir, out);
+    const auto changes = oracle_values(out, "param");
+    for (const auto& [label, err] : changes) {
+        printf("  optimizer 4 steps: %-15s weight change rel err %.1e\n", label.c_str(), err);
+        CHECK(err < 3e-2, "optimizer: %s differs from the PyTorch oracle (%.2e)", label.c_str(), err);
     }
-    CHECK(rc == 0 && compared == 13, "the optimizer oracle compared %d of 13 parameters: %s", compared, out.c_str());
+    CHECK(rc == 0 && changes.size() == 13, "the optimizer oracle compared %zu of 13 parameters: %s", changes.size(),
+          out.c_str());
 }
 
 static void test_optimizer_kernels() {
