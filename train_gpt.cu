@@ -976,6 +976,7 @@ class NorMuonAndAdam {
                 st.buf = alloc<float>(n), st.mant = alloc<uint16_t>(n);
                 st.sm = alloc<float>(c.second_moment_shape[0] * c.second_moment_shape[1] * c.second_moment_shape[2]);
                 st.lrs = alloc<float>(c.chunk_size);
+                st.var_ws = alloc<float>(normuon_variance_workspace((int)c.chunk_size, (int)c.chunk_shape[1]));
                 st.pe = std::make_unique<PolarExpress>((int)c.chunk_size, (int)c.chunk_shape[1], (int)c.chunk_shape[2]);
                 scratch_ = std::max(scratch_, n);
             }
@@ -1045,6 +1046,7 @@ class NorMuonAndAdam {
         float *m = nullptr, *v = nullptr;  // Adam moments
         int64_t t = 0;                     // Adam steps taken
         float *buf = nullptr, *sm = nullptr, *lrs = nullptr;  // NorMuon momentum, second moment, per-matrix lr
+        float* var_ws = nullptr;                                // its normalisation's workspace
         uint16_t* mant = nullptr;          // the low 16 bits of the fp32 weights
         std::unique_ptr<PolarExpress> pe;
     };
@@ -1085,7 +1087,7 @@ class NorMuonAndAdam {
         CUDA_CHECK(cudaMemcpyAsync(st.lrs, lrs.data(), count * sizeof(float), cudaMemcpyHostToDevice, s));
         CUDA_CHECK(nesterov_momentum((const __nv_bfloat16*)st.p->grad, st.buf, g32_, n, (float)momentum, s));
         st.pe->run(gemms_, g32_, v_, count, s);
-        CUDA_CHECK(normuon_variance(v_, st.sm, count, rows, cols, (float)c.normuon_beta2, s));
+        CUDA_CHECK(normuon_variance(v_, st.sm, count, rows, cols, (float)c.normuon_beta2, st.var_ws, s));
         CUDA_CHECK(normuon_apply(bf(st.p->data), st.mant, v_, per, count, st.lrs,
                                  (float)(c.wd_mul * c.weight_decay * lr), s));
     }

@@ -1260,41 +1260,55 @@ __global__ void momentum_kernel(const __nv_bfloat16* grad, float* buf, float* ou
     }
 }
 
-// NorMuon second-moment normalisation (arXiv 2510.05491) of one matrix per CTA, rows >= cols
-// (reduced along the columns; the record's other orientation does not occur in the banks):
-// v_mean[r] = mean_c v^2, buf = lerp(buf, v_mean, 1 - beta2), s[r] = rsqrt(max(buf, 1e-10)),
-// v *= s[r] * ||v|| / ||v * s||, in place on bf16 v.
-__global__ void __launch_bounds__(1024) variance_kernel(__nv_bfloat16* v, float* second_moment, int rows, int cols,
-                                                        float beta2) {
-    extern __shared__ float row_scale[];  // rows
+// NorMuon second-moment normalisation (arXiv 2510.05491), rows >= cols (reduced along the
+// columns; the record's other orientation does not occur in the banks): v_mean[r] = mean_c v^2,
+// buf = lerp(buf, v_mean, 1 - beta2), s[r] = rsqrt(max(buf, 1e-10)), v *= s[r] ||v|| / ||v s||,
+// in place on bf16 v. Two kernels so every matrix spreads over many CTAs: rows (a warp each, 32
+// a CTA) give their scales and per-CTA partial norms; then every CTA adds the partials in order.
+constexpr int VAR_ROWS = 32;
+__global__ void __launch_bounds__(1024) variance_rows_kernel(const __nv_bfloat16* v, float* second_moment, int rows,
+                                                             int cols, float beta2, float* row_scale, float* partial) {
     __shared__ float red[2][32];
-    __nv_bfloat16* m = v + (int64_t)blockIdx.x * rows * cols;
-    float* buf = second_moment + (int64_t)blockIdx.x * rows;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, nwarps = blockDim.x / 32;
+    const int b = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int r = blockIdx.x * VAR_ROWS + warp;
     float norm_sq = 0.f, new_sq = 0.f;
-    for (int r = warp; r < rows; r += nwarps) {  // one warp per row
+    if (r < rows) {
+        const __nv_bfloat16* row = v + ((int64_t)b * rows + r) * cols;
         float s = 0.f;
         for (int c = lane; c < cols; c += 32) {
-            float x = __bfloat162float(m[(int64_t)r * cols + c]);
+            float x = __bfloat162float(row[c]);
             s += x * x;
         }
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
         const float mean = s / cols;
-        const float b = lerp(buf[r], mean, 1.f - beta2);
-        const float step = rsqrtf(fmaxf(b, 1e-10f));
-        if (lane == 0) buf[r] = b, row_scale[r] = step;
-        norm_sq += mean * cols;
-        new_sq += mean * cols * step * step;
+        float* buf = second_moment + (int64_t)b * rows + r;
+        const float m = lerp(*buf, mean, 1.f - beta2);
+        const float step = rsqrtf(fmaxf(m, 1e-10f));
+        __syncwarp();
+        if (lane == 0) *buf = m, row_scale[(int64_t)b * rows + r] = step;
+        norm_sq = mean * cols, new_sq = mean * cols * step * step;
     }
     if (lane == 0) red[0][warp] = norm_sq, red[1][warp] = new_sq;
     __syncthreads();
-    float a = 0.f, b = 0.f;
-    for (int w = 0; w < nwarps; ++w) a += red[0][w], b += red[1][w];  // same order in every thread
-    const float ratio = sqrtf(a) / fmaxf(sqrtf(b), 1e-10f);
-    for (int64_t i = threadIdx.x; i < (int64_t)rows * cols; i += blockDim.x) {
-        const int r = (int)(i / cols);
-        const __nv_bfloat16 scale = __float2bfloat16(row_scale[r] * ratio);
+    if (threadIdx.x == 0) {
+        float a = 0.f, c = 0.f;
+        for (int w = 0; w < VAR_ROWS; ++w) a += red[0][w], c += red[1][w];
+        const int blocks = gridDim.x;
+        partial[((int64_t)b * blocks + blockIdx.x) * 2] = a;
+        partial[((int64_t)b * blocks + blockIdx.x) * 2 + 1] = c;
+    }
+}
+__global__ void variance_apply_kernel(__nv_bfloat16* v, int rows, int cols, const float* row_scale, const float* partial,
+                                      int row_blocks) {
+    const int b = blockIdx.y;
+    float a = 0.f, c = 0.f;
+    for (int i = 0; i < row_blocks; ++i) a += partial[((int64_t)b * row_blocks + i) * 2], c += partial[((int64_t)b * row_blocks + i) * 2 + 1];
+    const float ratio = sqrtf(a) / fmaxf(sqrtf(c), 1e-10f);
+    __nv_bfloat16* m = v + (int64_t)b * rows * cols;
+    const float* rs = row_scale + (int64_t)b * rows;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (int64_t)rows * cols; i += (int64_t)gridDim.x * blockDim.x) {
+        const __nv_bfloat16 scale = __float2bfloat16(rs[i / cols] * ratio);
         m[i] = __float2bfloat16(__bfloat162float(m[i]) * __bfloat162float(scale));
     }
 }
@@ -1363,10 +1377,19 @@ inline cudaError_t nesterov_momentum(const __nv_bfloat16* grad, float* buf, floa
     opt::momentum_kernel<<<opt::grid_for(n), 256, 0, stream>>>(grad, buf, out, n, mu);
     return cudaGetLastError();
 }
+// workspace: normuon_variance_workspace(batch, rows) floats
+inline size_t normuon_variance_workspace(int batch, int rows) {
+    return (size_t)batch * (rows + 2 * ((rows + opt::VAR_ROWS - 1) / opt::VAR_ROWS));
+}
 inline cudaError_t normuon_variance(__nv_bfloat16* v, float* second_moment, int batch, int rows, int cols, float beta2,
-                                    cudaStream_t stream) {
+                                    float* workspace, cudaStream_t stream) {
     if (rows < cols) return cudaErrorInvalidValue;
-    opt::variance_kernel<<<batch, 1024, rows * sizeof(float), stream>>>(v, second_moment, rows, cols, beta2);
+    const int row_blocks = (rows + opt::VAR_ROWS - 1) / opt::VAR_ROWS;
+    float* row_scale = workspace;
+    float* partial = workspace + (size_t)batch * rows;
+    opt::variance_rows_kernel<<<dim3(row_blocks, batch), 32 * opt::VAR_ROWS, 0, stream>>>(v, second_moment, rows, cols,
+                                                                                          beta2, row_scale, partial);
+    opt::variance_apply_kernel<<<dim3(64, batch), 256, 0, stream>>>(v, rows, cols, row_scale, partial, row_blocks);
     return cudaGetLastError();
 }
 // lr: count floats (device), the effective lr of each matrix

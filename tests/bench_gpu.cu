@@ -70,11 +70,12 @@ int main() {
             PolarExpress pe(count, bank.rows, bank.cols);
             float t_m = time_ms([&] { CUDA_CHECK(nesterov_momentum(grad, buf, g, n, 0.95f, 0)); });
             float t_p = time_ms([&] { pe.run(gemms, g, v, count, 0); });
-            float t_v = time_ms([&] { CUDA_CHECK(normuon_variance(v, sm, count, bank.rows, bank.cols, 0.95f, 0)); });
+            float* var_ws = alloc_fill<float>(normuon_variance_workspace(count, bank.rows), 0.f);
+            float t_v = time_ms([&] { CUDA_CHECK(normuon_variance(v, sm, count, bank.rows, bank.cols, 0.95f, var_ws, 0)); });
             float t_a = time_ms([&] { CUDA_CHECK(normuon_apply(p, mant, v, per, count, lr, 0.03f, 0)); });
             printf("%-6s %-10d %3dx%4dx%4d   | %9.3f %9.3f %9.3f %9.3f | %9.3f\n", bank.name, world, count, bank.rows,
                    bank.cols, t_m, t_p, t_v, t_a, t_m + t_p + t_v + t_a);
-            for (void* q : {(void*)grad, (void*)v, (void*)p, (void*)buf, (void*)g, (void*)sm, (void*)lr, (void*)mant})
+            for (void* q : {(void*)grad, (void*)v, (void*)p, (void*)buf, (void*)g, (void*)sm, (void*)lr, (void*)mant, (void*)var_ws})
                 CUDA_CHECK(cudaFree(q));
         }
     // the model: forward + backward of one micro-batch at the record's sizes, FineWeb-like documents

@@ -755,7 +755,8 @@ static void normuon_step_case(int count, int rows, int cols, uint64_t seed) {
     dout.poison();
     auto bf = [](uint16_t* x) { return reinterpret_cast<__nv_bfloat16*>(x); };
     CUDA_CHECK(nesterov_momentum(bf(dgrad.ptr), dbuf.ptr, dout.ptr, n, mu, 0));
-    CUDA_CHECK(normuon_variance(bf(dv.ptr), dsm.ptr, count, rows, cols, beta2, 0));
+    DeviceArray<float> var_ws(normuon_variance_workspace(count, rows));
+    CUDA_CHECK(normuon_variance(bf(dv.ptr), dsm.ptr, count, rows, cols, beta2, var_ws.ptr, 0));
     CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<uint16_t> vg = dv.download();
     CUDA_CHECK(normuon_apply(bf(dp.ptr), dm.ptr, bf(dv.ptr), per, count, dlr.ptr, wd, 0));
