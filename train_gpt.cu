@@ -459,6 +459,40 @@ static void validate_args(const Hyperparameters& a, int world_size) {
 // GEMMs and fp8 ops, through cuBLASLt. Matrices are row-major, as in the Python record; each
 // shape's algorithm is picked once by cuBLASLt's heuristic and cached (no tuning at run time).
 
+// GPU time of marked stretches of a stream (for `make bench`): begin()/end() pairs record events,
+// total_ms() adds the spans up once the stream has run them. Off, it records nothing.
+class StreamTimer {
+   public:
+    ~StreamTimer() {
+        for (cudaEvent_t e : events_) CUDA_CHECK(cudaEventDestroy(e));
+    }
+    void begin(cudaStream_t s) { record(s); }
+    void end(cudaStream_t s) { record(s); }
+    float total_ms() {
+        float total = 0.f;
+        for (size_t i = 0; i + 1 < used_; i += 2) {
+            CUDA_CHECK(cudaEventSynchronize(events_[i + 1]));
+            float t;
+            CUDA_CHECK(cudaEventElapsedTime(&t, events_[i], events_[i + 1]));
+            total += t;
+        }
+        return total;
+    }
+    void clear() { used_ = 0; }
+
+   private:
+    void record(cudaStream_t s) {
+        if (used_ == events_.size()) {
+            cudaEvent_t e;
+            CUDA_CHECK(cudaEventCreate(&e));
+            events_.push_back(e);
+        }
+        CUDA_CHECK(cudaEventRecord(events_[used_++], s));
+    }
+    std::vector<cudaEvent_t> events_;
+    size_t used_ = 0;
+};
+
 enum class Op { N, T };  // op(X) = X or X^T
 
 class Gemms {
@@ -506,6 +540,8 @@ class Gemms {
     }
 
     size_t cached_plans() const { return plans_.size(); }
+    // time every GEMM into timer (null: stop timing)
+    void set_timer(StreamTimer* timer) { timer_ = timer; }
 
    private:
     struct Key {
@@ -607,10 +643,14 @@ class Gemms {
             CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_b, sizeof scale_b));
             CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_a, sizeof scale_a));
         }
+        if (timer_) timer_->begin(stream);
         while (true) {
             cublasStatus_t st = cublasLtMatmul(lt_, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, D, p.c,
                                                &p.candidates.front(), workspace_, workspace_bytes_, stream);
-            if (st == CUBLAS_STATUS_SUCCESS) return;
+            if (st == CUBLAS_STATUS_SUCCESS) {
+                if (timer_) timer_->end(stream);
+                return;
+            }
             if (st != CUBLAS_STATUS_NOT_SUPPORTED || p.candidates.size() == 1)
                 fatal(strprintf("cublasLtMatmul failed for a %s: %s", describe(key).c_str(), cublasLtGetStatusString(st)));
             p.candidates.erase(p.candidates.begin());
@@ -618,6 +658,7 @@ class Gemms {
     }
 
     cublasLtHandle_t lt_ = nullptr;
+    StreamTimer* timer_ = nullptr;
     void* workspace_ = nullptr;
     size_t workspace_bytes_;
     std::map<Key, Plan> plans_;
@@ -1263,7 +1304,13 @@ class Model {
         // back out layers 0-7's contribution (@classiclarryd; layer 7's output is layer 8's input), final norm
         CUDA_CHECK(combine(x_back_, x_last_, backout_source(), TD, {nullptr, 0.f, 1.f}, {scalars + SCALAR_BACKOUT, -1.f, 0.f}, s));
         CUDA_CHECK(rms_norm_forward(x_back_, D, xn_, D, rstd_f_, T, D, RMS_NORM_EPS, s));
-        return head_and_loss(s);
+        if (!profiling_) return head_and_loss(s);
+        gemms_.set_timer(nullptr);  // the head's GEMMs count as the head's
+        head_timer_.begin(s);
+        const float loss = head_and_loss(s);
+        head_timer_.end(s);
+        gemms_.set_timer(&gemm_timer_);
+        return loss;
     }
 
     // The backward of the last training forward: adds every parameter's gradient into its buffer.
@@ -1321,6 +1368,21 @@ class Model {
 
     // norm(x) before the lm_head, from the last forward (T x 768)
     const __nv_bfloat16* final_hidden() const { return xn_; }
+
+    // Where the time goes (for `make bench`): GEMMs outside the head, attention, the lm_head with
+    // the loss, the rest. profile(true) starts timing, profile_ms() reads and clears the totals.
+    struct Profile {
+        float gemm_ms, attention_ms, head_ms;
+    };
+    void profile(bool on) {
+        profiling_ = on;
+        gemms_.set_timer(on ? &gemm_timer_ : nullptr);
+    }
+    Profile profile_ms() {
+        Profile p{gemm_timer_.total_ms(), attn_timer_.total_ms(), head_timer_.total_ms()};
+        gemm_timer_.clear(), attn_timer_.clear(), head_timer_.clear();
+        return p;
+    }
 
    private:
     static constexpr int LOGIT_ROWS = 8192;  // the logits are made and consumed in chunks of rows
@@ -1404,7 +1466,9 @@ class Model {
             vg.a = l.v, vg.b = ve_[ve_slot(i)];
             CUDA_CHECK(gate_forward(GateKind::ValueEmbedding, vg, s));
         }
+        if (profiling_) attn_timer_.begin(s);
         CUDA_CHECK(attention_forward(attn_params(i), s));
+        if (profiling_) attn_timer_.end(s);
         gate::Params og = head_gate(i, bf(p_["attn_gate_bank"].data) + attn_index(i) * NUM_HEADS * gate::GW);
         og.a = l.y, og.out = l.yg;
         CUDA_CHECK(gate_forward(GateKind::Output, og, s));
@@ -1433,8 +1497,10 @@ class Model {
                                  bf(p_["attn_gate_bank"].grad) + attn_index(i) * NUM_HEADS * gate::GW, nullptr, s));
         // attention (its tile schedule was overwritten by later layers: remake it)
         attn::Params ap = attn_params(i);
+        if (profiling_) attn_timer_.begin(s);
         CUDA_CHECK(attention_schedule(ap, s));
         CUDA_CHECK(attention_backward(ap, s));
+        if (profiling_) attn_timer_.end(s);
         // value-embedding gate: v passes through; dve and the gate's input gradient
         if (ve_slot(i) >= 0) {
             gate::Params vg = head_gate(i, bf(p_["ve_gate_bank"].data) + ve_gate_index(i) * NUM_HEADS * gate::GW);
@@ -1529,6 +1595,8 @@ class Model {
         *dxn_head_, *demb_, *dve_[3];
     float *dw_, *delta_, *dz_, *dlam_rows_, *partial_;
     std::unique_ptr<EmbeddingBackward> embed_bwd_;
+    bool profiling_ = false;
+    StreamTimer gemm_timer_, attn_timer_, head_timer_;
 };
 
 // -----------------------------------------------------------------------------

@@ -116,7 +116,17 @@ int main() {
             fa.loss_scale = 0.125f;
             float t_f = time_ms([&] { model.forward(dt, dcu, (int)cu.size(), T, fa, s); }, 10);
             float t_fb = time_ms([&] { model.forward(dt, dcu, (int)cu.size(), T, fa, s); model.backward(s); }, 10);
-            printf("  %6d tokens: forward (with the lm_head's backward) %7.2f ms, forward + backward %7.2f ms\n", T, t_f, t_fb);
+            // one more pass, timed by parts
+            model.profile(true);
+            model.forward(dt, dcu, (int)cu.size(), T, fa, s);
+            model.backward(s);
+            CUDA_CHECK(cudaStreamSynchronize(s));
+            Model::Profile pr = model.profile_ms();
+            model.profile(false);
+            const float rest = t_fb - pr.gemm_ms - pr.attention_ms - pr.head_ms;
+            printf("  %6d tokens: forward (with the lm_head's backward) %7.2f ms, forward + backward %7.2f ms: GEMMs %.0f%%, "
+                   "attention %.0f%%, lm_head + loss %.0f%%, the rest (elementwise, norms, embeddings) %.0f%%\n", T, t_f,
+                   t_fb, 100 * pr.gemm_ms / t_fb, 100 * pr.attention_ms / t_fb, 100 * pr.head_ms / t_fb, 100 * rest / t_fb);
             CUDA_CHECK(cudaFree(dt));
             CUDA_CHECK(cudaFree(dcu));
         }
