@@ -815,6 +815,53 @@ static std::vector<ParamConfig> build_param_configs(const Hyperparameters& a, co
     return cfgs;
 }
 
+// The explicit order of one optimizer step (record 61's NorMuonAndAdam.step), as a list the step
+// follows and the log shows. Phase 1, in scatter_order: each parameter's reduce (all-reduce if
+// replicated, reduce-scatter if sharded; nothing at world size 1), Adam's only on Adam steps,
+// embed's gradient added transposed into lm_head's before lm_head's reduce while tied, embed
+// itself skipped while tied. Phase 2, in work_order: each reduced parameter's update, then its
+// all-gather if sharded. Phase 3: lm_head's gather awaited first, embed written as lm_head^T while
+// tied, then the other gathers.
+enum class PlanOp { AddTransposed, AllReduce, ReduceScatter, Update, AllGather, CopyTransposed };
+struct PlanStep {
+    PlanOp op;
+    std::string label;
+};
+
+static std::vector<PlanStep> step_plan(const std::vector<ParamConfig>& cfgs, bool do_adam, bool split) {
+    auto cfg = [&](const std::string& label) -> const ParamConfig& {
+        for (const ParamConfig& c : cfgs)
+            if (c.label == label) return c;
+        fail("step plan: no parameter '" + label + "'");
+    };
+    std::vector<PlanStep> plan;
+    std::vector<std::string> reduced;
+    for (const ParamTableEntry& e : param_table) {
+        const ParamConfig& c = cfg(e.label);
+        if (c.optim == Optim::Adam && !do_adam) continue;
+        if (c.label == "lm_head" && !split) plan.push_back({PlanOp::AddTransposed, "embed->lm_head"});
+        if (c.label == "embed" && !split) continue;
+        if (c.comms == Comms::Replicated) plan.push_back({PlanOp::AllReduce, c.label});
+        if (c.comms == Comms::Sharded) plan.push_back({PlanOp::ReduceScatter, c.label});
+        reduced.push_back(c.label);
+    }
+    for (const char* label : work_order) {
+        if (std::find(reduced.begin(), reduced.end(), label) == reduced.end()) continue;
+        plan.push_back({PlanOp::Update, label});
+        if (cfg(label).comms == Comms::Sharded) plan.push_back({PlanOp::AllGather, label});
+    }
+    if (do_adam && !split) plan.push_back({PlanOp::CopyTransposed, "lm_head->embed"});
+    return plan;
+}
+
+static std::string plan_text(const std::vector<PlanStep>& plan) {
+    static const char* names[] = {"add_transposed", "all_reduce", "reduce_scatter", "update", "all_gather",
+                                  "copy_transposed"};
+    std::string s;
+    for (const PlanStep& p : plan) s += (s.empty() ? "" : " ") + std::string(names[(int)p.op]) + "(" + p.label + ")";
+    return s;
+}
+
 // Offsets into scalars: resid lambdas, sa lambdas (2 per layer), smear, backout, skip, padding ones.
 constexpr int SCALAR_RESID = 0, SCALAR_SA = NUM_LAYERS, SCALAR_SMEAR = 3 * NUM_LAYERS, SCALAR_BACKOUT = SCALAR_SMEAR + 1,
               SCALAR_SKIP = SCALAR_SMEAR + 2;
@@ -1006,7 +1053,8 @@ class NorMuonAndAdam {
         if (world_size != 1)
             fail(strprintf("the optimizer runs on one GPU so far (world size %d): its NCCL communication comes next",
                            world_size));
-        for (const ParamConfig& c : build_param_configs(a, model_params(world_size), world_size, rank)) {
+        configs_ = build_param_configs(a, model_params(world_size), world_size, rank);
+        for (const ParamConfig& c : configs_) {
             State st;
             st.cfg = c;
             st.p = &params[c.label];
@@ -1034,17 +1082,22 @@ class NorMuonAndAdam {
     void step(double lr_mult, double momentum, bool do_adam, cudaStream_t s) {
         State& lm = state("lm_head");
         State& em = state("embed");
-        if (do_adam && !split_)  // tied: embed's gradient joins lm_head's
-            CUDA_CHECK(transpose(bf(em.p->grad), bf(lm.p->grad), 1, PADDED_VOCAB_SIZE, MODEL_DIM, true, s));
-        for (const char* label : work_order) {
-            State& st = state(label);
-            if (st.cfg.optim == Optim::Adam) {
-                if (!do_adam || (st.cfg.label == "embed" && !split_)) continue;
-                adam(st, lr_mult, s);
-                if (st.cfg.label == "lm_head" && !split_)
+        for (const PlanStep& p : step_plan(configs_, do_adam, split_)) {
+            switch (p.op) {
+                case PlanOp::AddTransposed:  // tied: embed's gradient joins lm_head's
+                    CUDA_CHECK(transpose(bf(em.p->grad), bf(lm.p->grad), 1, PADDED_VOCAB_SIZE, MODEL_DIM, true, s));
+                    break;
+                case PlanOp::Update: {
+                    State& st = state(p.label);
+                    if (st.cfg.optim == Optim::Adam) adam(st, lr_mult, s);
+                    else normuon(st, lr_mult, momentum, s);
+                    break;
+                }
+                case PlanOp::CopyTransposed:
                     CUDA_CHECK(transpose(bf(lm.p->data), bf(em.p->data), 1, MODEL_DIM, PADDED_VOCAB_SIZE, false, s));
-            } else {
-                normuon(st, lr_mult, momentum, s);
+                    break;
+                default:  // one GPU: the plan holds no communication
+                    fail("optimizer: a communication step on one GPU");
             }
         }
         // gradients start over: NorMuon's every step, Adam's after the steps that use them
@@ -1135,6 +1188,7 @@ class NorMuonAndAdam {
 
     ParamStore& params_;
     Gemms& gemms_;
+    std::vector<ParamConfig> configs_;
     std::vector<State> states_;
     DeviceArena arena_;
     int64_t scratch_ = 0;
@@ -2271,6 +2325,14 @@ static std::string configuration_text(Hyperparameters& a, int world_size, const 
         layers += strprintf("%s%d:%s+mlp", i ? " " : "", i, l.c_str());
     }
     s += "layers = " + layers + "\n";
+    // the optimizer's explicit order on each kind of step
+    {
+        const std::vector<ParamConfig> cfgs = build_param_configs(a, model_params(world_size), world_size, 0);
+        for (bool adam : {true, false})
+            for (bool split : {false, true})
+                s += strprintf("step_plan[%s,%s] = ", adam ? "adam" : "no-adam", split ? "untied" : "tied") +
+                     plan_text(step_plan(cfgs, adam, split)) + "\n";
+    }
     // the optimizer's view of every parameter (rank 0's shard)
     auto dims = [](const std::vector<int64_t>& v) {
         std::string r;

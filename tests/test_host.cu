@@ -616,6 +616,36 @@ static void test_sharding() {
     CHECK(at("lm_head") < at("embed") && at("attn") >= 11 && at("mlp") >= 11, "work order: lm_head before embed, banks last");
 }
 
+// the optimizer step's explicit order (record 61's three phases)
+static void test_step_plan() {
+    Hyperparameters a;
+    const std::vector<ParamConfig> w8 = build_param_configs(a, model_params(8), 8, 0), w1 = build_param_configs(a, model_params(1), 1, 0);
+    const std::string small = "update(scalars) update(smear_gate) update(skip_gate) update(attn_gate_bank) "
+                              "update(ve_gate_bank) update(x0_lambdas)";
+    const std::string ve = "update(ve0) all_gather(ve0) update(ve1) all_gather(ve1) update(ve2) all_gather(ve2)";
+    const std::string reduces = "reduce_scatter(attn) reduce_scatter(mlp) all_reduce(scalars) reduce_scatter(ve0) "
+                                "reduce_scatter(ve1) reduce_scatter(ve2) all_reduce(smear_gate) all_reduce(skip_gate) "
+                                "all_reduce(attn_gate_bank) all_reduce(ve_gate_bank) all_reduce(x0_lambdas)";
+    const std::string banks = "update(attn) all_gather(attn) update(mlp) all_gather(mlp)";
+    const std::pair<std::string, std::string> cases[] = {
+        {plan_text(step_plan(w8, true, false)),
+         reduces + " add_transposed(embed->lm_head) reduce_scatter(lm_head) " + small + " " + ve +
+             " update(lm_head) all_gather(lm_head) " + banks + " copy_transposed(lm_head->embed)"},
+        {plan_text(step_plan(w8, true, true)),
+         reduces + " reduce_scatter(lm_head) reduce_scatter(embed) " + small + " " + ve +
+             " update(lm_head) all_gather(lm_head) update(embed) all_gather(embed) " + banks},
+        {plan_text(step_plan(w8, false, false)), "reduce_scatter(attn) reduce_scatter(mlp) " + banks},
+        {plan_text(step_plan(w8, false, true)), "reduce_scatter(attn) reduce_scatter(mlp) " + banks},
+        {plan_text(step_plan(w1, true, false)),
+         "add_transposed(embed->lm_head) " + small + " update(ve0) update(ve1) update(ve2) update(lm_head) update(attn) "
+         "update(mlp) copy_transposed(lm_head->embed)"},
+        {plan_text(step_plan(w1, false, true)), "update(attn) update(mlp)"},
+    };
+    for (const auto& [got, want] : cases) CHECK(got == want, "step plan:\n  got  %s\n  want %s", got.c_str(), want.c_str());
+    std::string cfg = configuration_text(a, 8, ".", "");
+    CHECK(cfg.find("step_plan[adam,tied] = reduce_scatter(attn)") != std::string::npos, "step plans in the log");
+}
+
 // ---------------------------------------------------------------------------------------------
 // parameter initialisation
 
@@ -823,6 +853,7 @@ int main(int argc, char** argv) {
                                                          {"loader", test_loader},
                                                          {"bad input", test_bad_input},
                                                          {"sharding", test_sharding},
+                                                         {"step plan", test_step_plan},
                                                          {"init", test_init},
                                                          {"logging", test_logging}};
     for (auto [name, fn] : groups) {
