@@ -1049,7 +1049,7 @@ class PolarExpress {
 class NorMuonAndAdam {
    public:
     NorMuonAndAdam(ParamStore& params, Gemms& gemms, const Hyperparameters& a, int world_size, int rank)
-        : params_(params), gemms_(gemms) {
+        : gemms_(gemms) {
         if (world_size != 1)
             fail(strprintf("the optimizer runs on one GPU so far (world size %d): its NCCL communication comes next",
                            world_size));
@@ -1186,7 +1186,6 @@ class NorMuonAndAdam {
                                  (float)(c.wd_mul * c.weight_decay * lr), s));
     }
 
-    ParamStore& params_;
     Gemms& gemms_;
     std::vector<ParamConfig> configs_;
     std::vector<State> states_;
@@ -2172,14 +2171,38 @@ struct LogParts {
     std::string train_gpt, triton_kernels, configuration;
 };
 
-static LogParts split_log(const std::string& path) {
-    FILE* f = fopen(path.c_str(), "rb");
-    if (!f) fail(strprintf("cannot open log %s: %s", path.c_str(), strerror(errno)));
+// The whole text of a file from a FILE* (a file or a pipe), then closes it with `close`.
+template <typename Close>
+static std::string drain(FILE* f, Close close, int* status = nullptr) {
     std::string text;
     char buf[1 << 16];
     size_t n;
     while ((n = fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
-    fclose(f);
+    const int st = close(f);
+    if (status) *status = st;
+    return text;
+}
+
+// false if the file cannot be opened
+static bool read_text(const std::string& path, std::string& text) {
+    FILE* f = fopen(path.c_str(), "rb");
+    if (!f) return false;
+    text = drain(f, fclose);
+    return true;
+}
+
+// Runs a shell command; its standard output in out, its exit status returned (-1: it did not run).
+static int run_capture(const std::string& cmd, std::string& out) {
+    FILE* p = popen(cmd.c_str(), "r");
+    if (!p) return -1;
+    int st = 0;
+    out = drain(p, pclose, &st);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static LogParts split_log(const std::string& path) {
+    std::string text;
+    if (!read_text(path, text)) fail(strprintf("cannot open log %s: %s", path.c_str(), strerror(errno)));
     const std::string sep = "\n\n" + SOURCE_RULE + "\n# triton_kernels.cu\n" + SOURCE_RULE + "\n\n";
     const std::string rule = "\n" + LOG_RULE + "\n";
     size_t a = text.find(sep);
@@ -2251,12 +2274,8 @@ static std::string make_uuid4() {
 
 static std::string run_command(const char* cmd) {
     std::string out;
-    FILE* p = popen(cmd, "r");
-    if (!p) return strprintf("(%s: could not run)\n", cmd);
-    char buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-    int rc = pclose(p);
+    const int rc = run_capture(cmd, out);
+    if (rc < 0 && out.empty()) return strprintf("(%s: could not run)\n", cmd);
     if (rc != 0 && out.empty()) out = strprintf("(%s: not available)\n", cmd);
     return out;
 }
@@ -2326,8 +2345,9 @@ static std::string configuration_text(Hyperparameters& a, int world_size, const 
     }
     s += "layers = " + layers + "\n";
     // the optimizer's explicit order on each kind of step
+    const std::vector<ParamShape> params = model_params(world_size);
+    const std::vector<ParamConfig> cfgs = build_param_configs(a, params, world_size, 0);
     {
-        const std::vector<ParamConfig> cfgs = build_param_configs(a, model_params(world_size), world_size, 0);
         for (bool adam : {true, false})
             for (bool split : {false, true})
                 s += strprintf("step_plan[%s,%s] = ", adam ? "adam" : "no-adam", split ? "untied" : "tied") +
@@ -2340,8 +2360,7 @@ static std::string configuration_text(Hyperparameters& a, int world_size, const 
         return r;
     };
     const char* comms_names[] = {"none", "replicated", "sharded"};
-    const std::vector<ParamShape> params = model_params(world_size);
-    for (const ParamConfig& c : build_param_configs(a, params, world_size, 0)) {
+    for (const ParamConfig& c : cfgs) {
         const ParamShape& ps = *std::find_if(params.begin(), params.end(), [&](const ParamShape& p) { return p.label == c.label; });
         s += strprintf("param %s = %s %s, %s %s, shard %s, lr_mul %s, wd_mul %s", c.label.c_str(), ps.fp32 ? "fp32" : "bf16",
                        dims(ps.shape).c_str(), c.optim == Optim::Adam ? "adam" : "normuon", comms_names[(int)c.comms],

@@ -1555,10 +1555,7 @@ __device__ __forceinline__ float logit(const Params& p, int t, int h) {
     return bf(s);
 }
 __device__ __forceinline__ float dot4(const float a[4], const float b[4]) {
-    float s = a[0] * b[0] + a[1] * b[1] + a[2] * b[2] + a[3] * b[3];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    return s;
+    return qkrope::warp_sum(a[0] * b[0] + a[1] * b[1] + a[2] * b[2] + a[3] * b[3]);
 }
 
 enum Kind { VE = 0, OUT = 1 };

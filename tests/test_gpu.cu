@@ -126,18 +126,6 @@ __global__ void ref_attn_bwd(RefArgs a, const float* lse, const float* delta, fl
     }
 }
 
-static float bf16_to_float(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static uint16_t float_to_bf16(float f) {  // round to nearest even
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
-
 // relative Frobenius error of x against ref (doubles); inf if x holds a non-finite value
 static double rel_err(const std::vector<float>& x, const std::vector<float>& ref) {
     double num = 0, den = 0;
@@ -1077,12 +1065,7 @@ static void scalar_ops_case(int64_t n, uint64_t seed) {
 
 // Runs a tests/ oracle script on a folder; returns its exit status, with what it printed in out.
 static int run_oracle(const char* script, const std::string& dir, std::string& out) {
-    FILE* pp = popen(("python3 '" + std::string(TRAIN_GPT_SRC_DIR) + "/tests/" + script + "' '" + dir + "' 2>&1").c_str(), "r");
-    if (!pp) return -1;
-    char buf[4096];
-    size_t nread;
-    while ((nread = fread(buf, 1, sizeof buf, pp)) > 0) out.append(buf, nread);
-    return pclose(pp);
+    return run_capture("python3 '" + std::string(TRAIN_GPT_SRC_DIR) + "/tests/" + script + "' '" + dir + "' 2>&1", out);
 }
 // the "<key> <label> <value>" lines of an oracle's output
 static std::vector<std::pair<std::string, double>> oracle_values(const std::string& out, const std::string& key) {

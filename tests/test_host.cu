@@ -15,26 +15,15 @@ static std::string g_tmp, g_python = "python3", g_binary;
 static const std::string g_src_dir = TRAIN_GPT_SRC_DIR;
 
 static std::string read_file(const std::string& path) {
-    FILE* f = fopen(path.c_str(), "rb");
-    if (!f) return "<missing " + path + ">";
     std::string s;
-    char buf[1 << 16];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof buf, f)) > 0) s.append(buf, n);
-    fclose(f);
-    return s;
+    return read_text(path, s) ? s : "<missing " + path + ">";
 }
 
 static int run_shell(const std::string& cmd, std::string* out = nullptr) {
-    FILE* p = popen(cmd.c_str(), "r");
-    if (!p) return -1;
     std::string s;
-    char buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof buf, p)) > 0) s.append(buf, n);
-    int st = pclose(p);
+    const int rc = run_capture(cmd, s);
     if (out) *out = s;
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return rc;
 }
 
 static std::string make_dir(const std::string& name) {
@@ -649,13 +638,6 @@ static void test_step_plan() {
 // ---------------------------------------------------------------------------------------------
 // parameter initialisation
 
-static float bits_to_float(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static void test_init() {
     std::vector<ParamShape> shapes = model_params(8);
     auto shape_of = [&](const std::string& l) {
@@ -676,7 +658,7 @@ static void test_init() {
     auto region = [](const HostParam& hp, int64_t begin, int64_t count, double bound) {
         double s = 0, ss = 0, mx = 0;
         for (int64_t i = begin; i < begin + count; ++i) {
-            double v = bits_to_float(hp.bf16[i]);
+            double v = bf16_to_float(hp.bf16[i]);
             s += v, ss += v * v, mx = std::max(mx, std::fabs(v));
         }
         const double mean = s / count, var = ss / count - mean * mean;
@@ -695,7 +677,7 @@ static void test_init() {
     CHECK(ok, "mlp bank: c_fc uniform +-sqrt(3/768)/2, c_proj zero (the padding slot too)");
     HostParam lm = init_param(shape_of("lm_head"), 1);
     double ss = 0;
-    for (uint16_t v : lm.bf16) ss += (double)bits_to_float(v) * bits_to_float(v);
+    for (uint16_t v : lm.bf16) ss += (double)bf16_to_float(v) * bf16_to_float(v);
     const double sd = std::sqrt(ss / lm.bf16.size());
     CHECK(std::fabs(sd / 0.005 - 1) < 0.01, "lm_head std %.6f, want 0.005", sd);
     HostParam em = init_param(shape_of("embed"), 1, &lm);

@@ -3,6 +3,15 @@
 #pragma once
 #include <random>
 
+// bf16 bits to and from float (round to nearest even, as the trainer rounds)
+static float bf16_to_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static uint16_t float_to_bf16(float f) { return bf16_bits(f); }
+
 static int g_passed = 0, g_failed = 0;
 
 #define CHECK(cond, ...)                                                                  \
