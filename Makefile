@@ -40,8 +40,14 @@ tests/test_gpu: tests/test_gpu.cu tests/testing.h $(SOURCES)
 test: train_gpt tests/test_host
 	./tests/test_host --binary ./train_gpt --python $(PYTHON)
 
-test-gpu: tests/test_gpu
+tests/test_distributed: tests/test_distributed.cu tests/testing.h $(SOURCES)
+	$(NVCC) $(NVCCFLAGS) -o $@ tests/test_distributed.cu $(LDLIBS)
+
+# the distributed test runs on 2 GPUs where there are 2 (it skips with a message otherwise)
+test-gpu: tests/test_gpu tests/test_distributed
 	./tests/test_gpu
+	if [ "$$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then mpirun -np 2 --bind-to none ./tests/test_distributed; \
+	else ./tests/test_distributed; fi
 
 tests/bench_gpu: tests/bench_gpu.cu $(SOURCES)
 	$(NVCC) $(NVCCFLAGS) -o $@ tests/bench_gpu.cu $(LDLIBS)
@@ -53,7 +59,8 @@ BENCH_DATA ?= data/textmix/textmix_train_*.bin
 bench: tests/test_host tests/libattention.so tests/bench_gpu
 	./tests/test_host --bench-data '$(BENCH_DATA)'
 	./tests/bench_gpu
+	if [ "$$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then mpirun -np 2 --bind-to none ./tests/bench_gpu; fi
 	$(PYTHON) tests/bench_attention.py
 
 clean:
-	rm -f train_gpt tests/test_host tests/test_gpu tests/bench_gpu tests/libattention.so
+	rm -f train_gpt tests/test_host tests/test_gpu tests/test_distributed tests/bench_gpu tests/libattention.so

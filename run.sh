@@ -6,4 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 NGPU="${NGPU:-8}"
 [ -x ./train_gpt ] || make
-exec mpirun -np "$NGPU" --bind-to none -x DATA_PATH -x NCCL_DEBUG -x PATH -x LD_LIBRARY_PATH ./train_gpt "$@"
+# every NCCL_* setting of this shell (e.g. NCCL_DEBUG=INFO) reaches every rank
+nccl_env=()
+for v in $(compgen -e | grep '^NCCL_' || true); do nccl_env+=(-x "$v"); done
+exec mpirun -np "$NGPU" --bind-to none -x DATA_PATH -x PATH -x LD_LIBRARY_PATH "${nccl_env[@]}" ./train_gpt "$@"

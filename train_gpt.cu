@@ -257,7 +257,7 @@ static std::vector<Option> options_of(Hyperparameters& a) {
         {"softcap_c", OptType::F64, &a.softcap_c, "logits soft-cap divisor c"},
         {"run_id", OptType::STR, &a.run_id, "log name logs/<run_id>.txt (default: a fresh uuid4)"},
         {"val_loss_every", OptType::I64, &a.val_loss_every, "validate every N steps (0: only at the end)"},
-        {"save_checkpoint", OptType::BOOL, &a.save_checkpoint, "save a checkpoint at the end"},
+        {"save_checkpoint", OptType::BOOL, &a.save_checkpoint, "save the weights to logs/<run_id>/ at the end"},
         {"block_size", OptType::I64, &a.block_size, "attention window unit in tokens"},
         {"ws_schedule", OptType::I64_LIST, &a.ws_schedule, "long window (blocks) by equal parts of the scheduled steps"},
         {"ws_final", OptType::I64, &a.ws_final, "long window (blocks) of the extension steps"},
@@ -1041,24 +1041,39 @@ class PolarExpress {
     float* partial_ = nullptr;
 };
 
+// NCCL over the MPI ranks, from rank 0's unique id broadcast over MPI; none at world size 1.
+static ncclComm_t nccl_init(int rank, int world_size) {
+    if (world_size == 1) return nullptr;
+    ncclUniqueId id;
+    if (rank == 0) NCCL_CHECK(ncclGetUniqueId(&id));
+    MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD));
+    ncclComm_t comm = nullptr;
+    NCCL_CHECK(ncclCommInitRank(&comm, world_size, id, rank));
+    return comm;
+}
+
 // The optimizer step of record 61. In work_order, per parameter: Adam (on odd steps; the gradients
 // of Adam parameters accumulate over two steps) or NorMuon (every step). While embed is tied to
 // lm_head, embed's gradient is added transposed into lm_head's before the update and embed is
 // written as lm_head^T after it; at the untie step lm_head's Adam state moves, transposed, to embed.
-// One GPU for now: the sharded and replicated communication over NCCL comes next.
+// On several GPUs the step follows step_plan: NCCL reduces on their own stream in scatter_order,
+// each update waits only for its own reduce, each sharded update's all-gather starts as soon as it
+// is done, and the compute stream waits for every gather before the next forward pass.
 class NorMuonAndAdam {
    public:
-    NorMuonAndAdam(ParamStore& params, Gemms& gemms, const Hyperparameters& a, int world_size, int rank)
-        : gemms_(gemms) {
-        if (world_size != 1)
-            fail(strprintf("the optimizer runs on one GPU so far (world size %d): its NCCL communication comes next",
-                           world_size));
+    // comm: NCCL over the ranks; nullptr at world size 1 (no NCCL calls at all)
+    NorMuonAndAdam(ParamStore& params, Gemms& gemms, const Hyperparameters& a, int world_size, int rank,
+                   ncclComm_t comm = nullptr)
+        : gemms_(gemms), comm_(comm) {
+        if ((world_size > 1) != (comm != nullptr))
+            fail(strprintf("optimizer: world size %d needs %s NCCL communicator", world_size, comm ? "no" : "an"));
         configs_ = build_param_configs(a, model_params(world_size), world_size, rank);
         for (const ParamConfig& c : configs_) {
             State st;
             st.cfg = c;
             st.p = &params[c.label];
             const int64_t n = c.chunk_numel();
+            st.offset = c.comms == Comms::Sharded ? rank * n : 0;
             if (c.optim == Optim::Adam) {
                 st.m = alloc<float>(n), st.v = alloc<float>(n);
             } else {
@@ -1069,11 +1084,28 @@ class NorMuonAndAdam {
                 st.pe = std::make_unique<PolarExpress>((int)c.chunk_size, (int)c.chunk_shape[1], (int)c.chunk_shape[2]);
                 scratch_ = std::max(scratch_, n);
             }
+            if (comm_)
+                for (cudaEvent_t* e : {&st.reduced, &st.updated, &st.gathered})
+                    CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
             states_.push_back(std::move(st));
         }
         g32_ = alloc<float>(scratch_), v_ = alloc<__nv_bfloat16>(scratch_);
+        if (comm_) {
+            CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
+            CUDA_CHECK(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
+            CUDA_CHECK(cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming));
+        }
         reset(0);
         CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    ~NorMuonAndAdam() {
+        if (!comm_) return;
+        CUDA_CHECK(cudaStreamSynchronize(comm_stream_));
+        for (State& st : states_)
+            for (cudaEvent_t e : {st.reduced, st.updated, st.gathered}) CUDA_CHECK(cudaEventDestroy(e));
+        CUDA_CHECK(cudaEventDestroy(compute_done_));
+        CUDA_CHECK(cudaEventDestroy(comm_done_));
+        CUDA_CHECK(cudaStreamDestroy(comm_stream_));
     }
     NorMuonAndAdam(const NorMuonAndAdam&) = delete;
     NorMuonAndAdam& operator=(const NorMuonAndAdam&) = delete;
@@ -1082,35 +1114,83 @@ class NorMuonAndAdam {
     void step(double lr_mult, double momentum, bool do_adam, cudaStream_t s) {
         State& lm = state("lm_head");
         State& em = state("embed");
+        if (comm_) after(s, comm_stream_);  // the gradients are final
         for (const PlanStep& p : step_plan(configs_, do_adam, split_)) {
             switch (p.op) {
-                case PlanOp::AddTransposed:  // tied: embed's gradient joins lm_head's
+                case PlanOp::AddTransposed:  // tied: embed's gradient joins lm_head's before its reduce
                     CUDA_CHECK(transpose(bf(em.p->grad), bf(lm.p->grad), 1, PADDED_VOCAB_SIZE, MODEL_DIM, true, s));
+                    if (comm_) after(s, comm_stream_);
                     break;
+                case PlanOp::AllReduce: {
+                    State& st = state(p.label);
+                    NCCL_CHECK(ncclAllReduce(st.p->grad, st.p->grad, st.p->shape.numel(), nccl_type(st), ncclAvg, comm_,
+                                             comm_stream_));
+                    CUDA_CHECK(cudaEventRecord(st.reduced, comm_stream_));
+                    break;
+                }
+                case PlanOp::ReduceScatter: {  // in place: this rank's chunk of the gradient holds the average
+                    State& st = state(p.label);
+                    NCCL_CHECK(ncclReduceScatter(st.p->grad, chunk(st, st.p->grad), st.cfg.chunk_numel(), nccl_type(st),
+                                                 ncclAvg, comm_, comm_stream_));
+                    CUDA_CHECK(cudaEventRecord(st.reduced, comm_stream_));
+                    break;
+                }
                 case PlanOp::Update: {
                     State& st = state(p.label);
+                    if (comm_) CUDA_CHECK(cudaStreamWaitEvent(s, st.reduced));
                     if (st.cfg.optim == Optim::Adam) adam(st, lr_mult, s);
                     else normuon(st, lr_mult, momentum, s);
                     break;
                 }
-                case PlanOp::CopyTransposed:
+                case PlanOp::AllGather: {  // in place: every rank's updated chunk to every rank
+                    State& st = state(p.label);
+                    CUDA_CHECK(cudaEventRecord(st.updated, s));
+                    CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, st.updated));
+                    NCCL_CHECK(ncclAllGather(chunk(st, st.p->data), st.p->data, st.cfg.chunk_numel(), nccl_type(st), comm_,
+                                             comm_stream_));
+                    CUDA_CHECK(cudaEventRecord(st.gathered, comm_stream_));
+                    break;
+                }
+                case PlanOp::CopyTransposed:  // tied: embed = lm_head^T, once lm_head is whole again
+                    if (lm.cfg.comms == Comms::Sharded) CUDA_CHECK(cudaStreamWaitEvent(s, lm.gathered));
                     CUDA_CHECK(transpose(bf(lm.p->data), bf(em.p->data), 1, MODEL_DIM, PADDED_VOCAB_SIZE, false, s));
                     break;
-                default:  // one GPU: the plan holds no communication
-                    fail("optimizer: a communication step on one GPU");
             }
         }
+        if (comm_) after(comm_stream_, s);  // every gather is in before the next forward pass
         // gradients start over: NorMuon's every step, Adam's after the steps that use them
         for (State& st : states_)
             if (st.cfg.optim == Optim::NorMuon || do_adam) CUDA_CHECK(cudaMemsetAsync(st.p->grad, 0, st.p->bytes(), s));
     }
 
-    // the untie step (record: copy_lm_state_to_embed): embed's Adam state is lm_head's, transposed
+    // the untie step (record: copy_lm_state_to_embed): embed's Adam state is lm_head's, transposed;
+    // sharded, lm_head's moments are gathered whole, transposed, and each rank keeps its rows of embed
     void untie(cudaStream_t s) {
         State& lm = state("lm_head");
         State& em = state("embed");
-        CUDA_CHECK(transpose(lm.m, em.m, 1, MODEL_DIM, PADDED_VOCAB_SIZE, false, s));
-        CUDA_CHECK(transpose(lm.v, em.v, 1, MODEL_DIM, PADDED_VOCAB_SIZE, false, s));
+        const int64_t full = (int64_t)MODEL_DIM * PADDED_VOCAB_SIZE;
+        float *whole = nullptr, *whole_t = nullptr;
+        if (lm.cfg.comms == Comms::Sharded) {
+            CUDA_CHECK(cudaMalloc(&whole, full * sizeof(float)));
+            CUDA_CHECK(cudaMalloc(&whole_t, full * sizeof(float)));
+        }
+        for (auto [src, dst] : {std::pair{lm.m, em.m}, std::pair{lm.v, em.v}}) {
+            if (!whole) {
+                CUDA_CHECK(transpose(src, dst, 1, MODEL_DIM, PADDED_VOCAB_SIZE, false, s));
+                continue;
+            }
+            after(s, comm_stream_);
+            NCCL_CHECK(ncclAllGather(src, whole, lm.cfg.chunk_numel(), ncclFloat32, comm_, comm_stream_));
+            after(comm_stream_, s);
+            CUDA_CHECK(transpose(whole, whole_t, 1, MODEL_DIM, PADDED_VOCAB_SIZE, false, s));
+            CUDA_CHECK(cudaMemcpyAsync(dst, whole_t + em.offset, em.cfg.chunk_numel() * sizeof(float),
+                                       cudaMemcpyDeviceToDevice, s));
+        }
+        if (whole) {
+            CUDA_CHECK(cudaStreamSynchronize(s));
+            CUDA_CHECK(cudaFree(whole));
+            CUDA_CHECK(cudaFree(whole_t));
+        }
         em.t = lm.t;
         split_ = true;
     }
@@ -1143,11 +1223,24 @@ class NorMuonAndAdam {
         float* var_ws = nullptr;                                // its normalisation's workspace
         uint16_t* mant = nullptr;          // the low 16 bits of the fp32 weights
         std::unique_ptr<PolarExpress> pe;
+        int64_t offset = 0;                // elements before this rank's chunk (sharded)
+        cudaEvent_t reduced = nullptr, updated = nullptr, gathered = nullptr;
     };
 
     template <typename T>
     T* alloc(int64_t n) { return arena_.alloc<T>(n); }
     static __nv_bfloat16* bf(void* p) { return as_bf16(p); }
+    static ncclDataType_t nccl_type(const State& st) { return st.p->shape.fp32 ? ncclFloat32 : ncclBfloat16; }
+    // this rank's chunk of a parameter's data or gradient (all of it when not sharded)
+    static void* chunk(const State& st, void* base) {
+        return (char*)base + st.offset * (st.p->shape.fp32 ? 4 : 2);
+    }
+    // `later` waits for what `first` has queued so far
+    void after(cudaStream_t first, cudaStream_t later) {
+        cudaEvent_t e = first == comm_stream_ ? comm_done_ : compute_done_;
+        CUDA_CHECK(cudaEventRecord(e, first));
+        CUDA_CHECK(cudaStreamWaitEvent(later, e));
+    }
     State& state(const std::string& label) {
         for (State& st : states_)
             if (st.cfg.label == label) return st;
@@ -1162,12 +1255,13 @@ class NorMuonAndAdam {
         const float step_size = (float)(lr * std::sqrt(bias2) / bias1);
         const float eff_wd = (float)(lr * lr * c.weight_decay * c.wd_mul);
         const int64_t n = c.chunk_numel();
+        void *p = chunk(st, st.p->data), *g = chunk(st, st.p->grad);
         if (st.p->shape.fp32)
-            CUDA_CHECK(adam_update((float*)st.p->data, (const float*)st.p->grad, st.m, st.v, n, (float)c.beta1,
-                                   (float)c.beta2, (float)c.eps, step_size, eff_wd, s));
+            CUDA_CHECK(adam_update((float*)p, (const float*)g, st.m, st.v, n, (float)c.beta1, (float)c.beta2,
+                                   (float)c.eps, step_size, eff_wd, s));
         else
-            CUDA_CHECK(adam_update(bf(st.p->data), (const __nv_bfloat16*)st.p->grad, st.m, st.v, n, (float)c.beta1,
-                                   (float)c.beta2, (float)c.eps, step_size, eff_wd, s));
+            CUDA_CHECK(adam_update(bf(p), (const __nv_bfloat16*)g, st.m, st.v, n, (float)c.beta1, (float)c.beta2,
+                                   (float)c.eps, step_size, eff_wd, s));
     }
 
     void normuon(State& st, double lr_mult, double momentum, cudaStream_t s) {
@@ -1179,14 +1273,17 @@ class NorMuonAndAdam {
         for (int i = 0; i < count; ++i)
             lrs[i] = (float)(c.lr_mul * (c.per_matrix_lr_mul.empty() ? 1.0 : c.per_matrix_lr_mul[i]) * lr);
         CUDA_CHECK(cudaMemcpyAsync(st.lrs, lrs.data(), count * sizeof(float), cudaMemcpyHostToDevice, s));
-        CUDA_CHECK(nesterov_momentum((const __nv_bfloat16*)st.p->grad, st.buf, g32_, n, (float)momentum, s));
+        CUDA_CHECK(nesterov_momentum((const __nv_bfloat16*)chunk(st, st.p->grad), st.buf, g32_, n, (float)momentum, s));
         st.pe->run(gemms_, g32_, v_, count, s);
         CUDA_CHECK(normuon_variance(v_, st.sm, count, rows, cols, (float)c.normuon_beta2, st.var_ws, s));
-        CUDA_CHECK(normuon_apply(bf(st.p->data), st.mant, v_, per, count, st.lrs,
+        CUDA_CHECK(normuon_apply(bf(chunk(st, st.p->data)), st.mant, v_, per, count, st.lrs,
                                  (float)(c.wd_mul * c.weight_decay * lr), s));
     }
 
     Gemms& gemms_;
+    ncclComm_t comm_;
+    cudaStream_t comm_stream_ = nullptr;  // NCCL's own stream
+    cudaEvent_t compute_done_ = nullptr, comm_done_ = nullptr;
     std::vector<ParamConfig> configs_;
     std::vector<State> states_;
     DeviceArena arena_;
@@ -2387,6 +2484,33 @@ static void print0(const std::string& s, bool console = false) {
     }
 }
 
+// The weights at the end of a run (the record's save_checkpoint): logs/<run_id>/state_stepNNNNNN.bin
+// holds a text header, one line per parameter "label bf16|fp32 dims...", "end", then each
+// parameter's raw little-endian values in that order (numpy: np.fromfile(f, offset=...)).
+static void save_checkpoint(ParamStore& params, const std::string& run_id, int64_t step) {
+    const std::string dir = "logs/" + run_id;
+    mkdir(dir.c_str(), 0755);
+    const std::string path = dir + strprintf("/state_step%06lld.bin", (long long)step);
+    std::string header = strprintf("train_gpt checkpoint 1\nstep %lld\n", (long long)step);
+    for (Param& p : params.all()) {
+        header += p.shape.label + (p.shape.fp32 ? " fp32" : " bf16");
+        for (int64_t d : p.shape.shape) header += " " + std::to_string(d);
+        header += "\n";
+    }
+    header += "end\n";
+    FILE* f = fopen(path.c_str(), "wb");
+    if (!f) fail(strprintf("cannot write %s: %s", path.c_str(), strerror(errno)));
+    bool ok = fwrite(header.data(), 1, header.size(), f) == header.size();
+    for (Param& p : params.all()) {
+        std::vector<char> h(p.bytes());
+        CUDA_CHECK(cudaMemcpy(h.data(), p.data, h.size(), cudaMemcpyDeviceToHost));
+        ok &= fwrite(h.data(), 1, h.size(), f) == h.size();
+    }
+    ok &= fclose(f) == 0;
+    if (!ok) fail(strprintf("writing %s failed: %s", path.c_str(), strerror(errno)));
+    print0("saved " + path, true);
+}
+
 static void print_help() {
     Hyperparameters defaults;
     printf("usage: mpirun -np N ./train_gpt [--flag value ...]   (N = 1, 2, 4 or 8; one GPU per rank)\n"
@@ -2426,9 +2550,6 @@ static int trainer_main(int argc, char** argv) {
     Hyperparameters args;
     parse_args(args, cli);
     validate_args(args, world_size);
-    if (world_size > 1)
-        fail(strprintf("%d ranks: training on several GPUs needs the optimizer's NCCL communication, which is not "
-                       "built yet; run on one GPU (NGPU=1 ./run.sh)", world_size));
     const int grad_accum_steps = 8 / world_size;
     const char* dp = getenv("DATA_PATH");
     const std::string data_path = dp ? dp : ".";
@@ -2443,6 +2564,7 @@ static int trainer_main(int argc, char** argv) {
     CUDA_CHECK(cudaGetDeviceCount(&num_gpus));
     if (local_rank >= num_gpus) fail(strprintf("local rank %d has no GPU: this node has %d", local_rank, num_gpus));
     CUDA_CHECK(cudaSetDevice(local_rank));
+    ncclComm_t comm = nccl_init(rank, world_size);
 
     // the run id of rank 0 names the log
     char run_id[64] = {0};
@@ -2477,7 +2599,7 @@ static int trainer_main(int argc, char** argv) {
     const int max_cu = (int)next_multiple_of_n(max_local / 300, 128);
     Gemms gemms;
     Model model(params, gemms, args, (int)capacity, (int)eval_local, max_cu);
-    NorMuonAndAdam optimizer(params, gemms, args, world_size, rank);
+    NorMuonAndAdam optimizer(params, gemms, args, world_size, rank, comm);
     // the initial weights, restored after the warmup
     std::vector<void*> initial;
     for (Param& p : params.all()) {
@@ -2592,6 +2714,8 @@ static int trainer_main(int argc, char** argv) {
             double val_loss = 0;
             for (int64_t v = 0; v < val_steps; ++v) val_loss += forward_batch(*val_loader, false);
             val_loss /= val_steps;
+            MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &val_loss, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+            val_loss /= world_size;  // the mean over the ranks' validation tokens
             print0(strprintf("step:%lld/%lld val_loss:%.4f train_time:%.0fms step_avg:%.2fms", (long long)step,
                              (long long)train_steps, val_loss, training_time_ms,
                              training_time_ms / std::max<int64_t>(step, 1)), true);
@@ -2604,6 +2728,7 @@ static int trainer_main(int argc, char** argv) {
         print0(strprintf("step:%lld/%lld train_time:%.0fms step_avg:%.2fms", (long long)step + 1, (long long)train_steps,
                          approx, approx / (step + 1)), true);
     }
+    if (rank == 0 && args.save_checkpoint) save_checkpoint(params, args.run_id, train_steps);
     size_t free_b = 0, total_b = 0;
     CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
     const double used_mib = (total_b - free_b) / 1048576.0;
@@ -2614,6 +2739,7 @@ static int trainer_main(int argc, char** argv) {
     CUDA_CHECK(cudaFree(d_cu));
     CUDA_CHECK(cudaStreamDestroy(stream));
     if (g_logfile) fclose(g_logfile);
+    if (comm) NCCL_CHECK(ncclCommDestroy(comm));
     MPI_CHECK(MPI_Comm_free(&node_comm));
     MPI_CHECK(MPI_Finalize());
     return 0;

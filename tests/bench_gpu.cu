@@ -1,9 +1,13 @@
-// GPU benchmarks of the optimizer's pieces at the record's shapes (not a test: prints numbers).
-//   ./tests/bench_gpu
+// GPU benchmarks at the record's shapes (not a test: prints numbers).
+//   ./tests/bench_gpu                     NorMuon's pieces, the model, Adam, the optimizer step
+//   mpirun -np 2 ./tests/bench_gpu        the optimizer step at world size 2 (NCCL) against world size 1
+//   ./tests/bench_gpu --profile-once T    one forward + backward of T tokens between cudaProfilerStart/Stop
+//                                         (for ncu --profile-from-start off)
 
 #define TRAIN_GPT_NO_MAIN
 #include "../train_gpt.cu"
 
+#include <cuda_profiler_api.h>
 #include <random>
 
 // median of `iters` timed runs after 3 warm-ups, in ms
@@ -38,10 +42,144 @@ static T* alloc_fill(int64_t n, float value) {
     return p;
 }
 
-int main() {
+// a micro-batch of FineWeb-like documents on the device
+struct DeviceBatch {
+    int *tokens = nullptr, *cu = nullptr;
+    int cu_len = 0;
+    DeviceBatch(int T, std::mt19937_64& rng) {
+        std::lognormal_distribution<double> len(std::log(450.0), 0.9);
+        std::vector<int> h(T + 1), c = {0};
+        for (int pos = 0; pos < T;) {
+            int L = std::min(T - pos, std::max(1, std::min(2048, (int)len(rng))));
+            h[pos] = BOS_ID;
+            for (int i = 1; i < L; ++i) h[pos + i] = (int)(rng() % BOS_ID);
+            pos += L;
+            c.push_back(pos);
+        }
+        h[T] = 0;
+        cu_len = (int)next_multiple_of_n(T / 300, 128);
+        while ((int)c.size() < cu_len) c.push_back(T);
+        CUDA_CHECK(cudaMalloc(&tokens, h.size() * 4));
+        CUDA_CHECK(cudaMalloc(&cu, c.size() * 4));
+        CUDA_CHECK(cudaMemcpy(tokens, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemcpy(cu, c.data(), c.size() * 4, cudaMemcpyHostToDevice));
+    }
+    ~DeviceBatch() {
+        CUDA_CHECK(cudaFree(tokens));
+        CUDA_CHECK(cudaFree(cu));
+    }
+};
+
+static ForwardArgs bench_forward_args(const Hyperparameters& args) {
+    ForwardArgs fa;
+    fa.mtp_weights = {1.f, 0.5f, 0.25f};
+    fa.ws_short = 1, fa.ws_long = 3;
+    fa.yarn = yarn_reset(args);
+    fa.loss_scale = 0.125f;
+    fa.training = true;
+    return fa;
+}
+
+// the model: forward + backward of one micro-batch at the record's sizes
+static void bench_model(Gemms& gemms) {
+    printf("\nModel forward + backward, one micro-batch (random weights)\n");
+    Hyperparameters args;
+    size_t free0, total;
+    CUDA_CHECK(cudaMemGetInfo(&free0, &total));
+    ParamStore params(1, 0);
+    Model model(params, gemms, args, 49152, 0, 512);
+    size_t free1;
+    CUDA_CHECK(cudaMemGetInfo(&free1, &total));
+    std::mt19937_64 rng(7);
+    cudaStream_t s;
+    CUDA_CHECK(cudaStreamCreate(&s));
+    const ForwardArgs fa = bench_forward_args(args);
+    for (int T : {16384, 32768, 49152}) {
+        DeviceBatch b(T, rng);
+        float t_f = time_ms([&] { model.forward(b.tokens, b.cu, b.cu_len, T, fa, s); }, 10);
+        float t_fb = time_ms([&] { model.forward(b.tokens, b.cu, b.cu_len, T, fa, s); model.backward(s); }, 10);
+        // one more pass, timed by parts
+        model.profile(true);
+        model.forward(b.tokens, b.cu, b.cu_len, T, fa, s);
+        model.backward(s);
+        CUDA_CHECK(cudaStreamSynchronize(s));
+        Model::Profile pr = model.profile_ms();
+        model.profile(false);
+        const float rest = t_fb - pr.gemm_ms - pr.attention_ms - pr.head_ms;
+        printf("  %6d tokens: forward (with the lm_head's backward) %7.2f ms, forward + backward %7.2f ms: GEMMs %.0f%%, "
+               "attention %.0f%%, lm_head + loss %.0f%%, the rest (elementwise, norms, embeddings) %.0f%%\n", T, t_f,
+               t_fb, 100 * pr.gemm_ms / t_fb, 100 * pr.attention_ms / t_fb, 100 * pr.head_ms / t_fb, 100 * rest / t_fb);
+    }
+    CUDA_CHECK(cudaStreamDestroy(s));
+    printf("  device memory of the parameters, gradients, activations and workspaces: %.1f GiB\n",
+           (free0 - free1) / 1073741824.0);
+}
+
+static void profile_once(int T) {
+    Hyperparameters args;
+    Gemms gemms;
+    ParamStore params(1, 0);
+    Model model(params, gemms, args, T, 0, 512);
+    std::mt19937_64 rng(7);
+    DeviceBatch b(T, rng);
+    const ForwardArgs fa = bench_forward_args(args);
+    for (int i = 0; i < 2; ++i) {  // the second pass alone is profiled
+        if (i == 1) CUDA_CHECK(cudaProfilerStart());
+        model.forward(b.tokens, b.cu, b.cu_len, T, fa, 0);
+        model.backward(0);
+        CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    CUDA_CHECK(cudaProfilerStop());
+}
+
+// A whole optimizer step over the record-61 parameters: a NorMuon-only step and an Adam step, at
+// world size 1 and, under mpirun, at this world size over NCCL (each rank updates its shards).
+// The gradients are zero: the kernels do the same work on any values.
+static void bench_optimizer(int world, int rank, ncclComm_t comm) {
+    Hyperparameters args;
+    Gemms gemms;
+    auto run = [&](int w, int r, ncclComm_t c) {
+        ParamStore params(w, 0);
+        NorMuonAndAdam opt(params, gemms, args, w, r, c);
+        float t[2];
+        for (int adam = 0; adam < 2; ++adam)
+            t[adam] = time_ms([&] {
+                opt.step(1.0, 0.95, adam == 1, 0);
+                if (w > 1) CUDA_CHECK(cudaStreamSynchronize(0));
+            }, 10);
+        return std::pair{t[0], t[1]};
+    };
+    auto [m1, a1] = run(1, 0, nullptr);
+    if (rank == 0) printf("\nOptimizer step (all parameters)\n  world size 1: NorMuon-only step %7.2f ms, Adam + NorMuon step %7.2f ms\n", m1, a1);
+    if (world > 1) {
+        auto [mw, aw] = run(world, rank, comm);
+        if (rank == 0)
+            printf("  world size %d: NorMuon-only step %7.2f ms, Adam + NorMuon step %7.2f ms (each rank updates 1/%d; "
+                   "communication included)\n", world, mw, aw, world);
+    }
+}
+
+int main(int argc, char** argv) {
     int ngpu = 0;
     if (cudaGetDeviceCount(&ngpu) != cudaSuccess || ngpu == 0) {
         printf("SKIP: no CUDA GPU here; the GPU benchmarks need one\n");
+        return 0;
+    }
+    if (argc == 3 && std::string(argv[1]) == "--profile-once") {
+        profile_once(atoi(argv[2]));
+        return 0;
+    }
+    MPI_CHECK(MPI_Init(&argc, &argv));
+    g_mpi_up = true;
+    MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &g_rank));
+    MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &g_world_size));
+    if (g_world_size > 1) {
+        if (g_world_size > ngpu) fatal(strprintf("%d ranks, %d GPUs: one GPU per rank", g_world_size, ngpu));
+        CUDA_CHECK(cudaSetDevice(g_rank));
+        ncclComm_t comm = nccl_init(g_rank, g_world_size);
+        bench_optimizer(g_world_size, g_rank, comm);
+        NCCL_CHECK(ncclCommDestroy(comm));
+        MPI_CHECK(MPI_Finalize());
         return 0;
     }
     Gemms gemms;
@@ -78,63 +216,7 @@ int main() {
             for (void* q : {(void*)grad, (void*)v, (void*)p, (void*)buf, (void*)g, (void*)sm, (void*)lr, (void*)mant, (void*)var_ws})
                 CUDA_CHECK(cudaFree(q));
         }
-    // the model: forward + backward of one micro-batch at the record's sizes, FineWeb-like documents
-    printf("\nModel forward + backward, one micro-batch (random weights)\n");
-    {
-        Hyperparameters args;
-        size_t free0, total;
-        CUDA_CHECK(cudaMemGetInfo(&free0, &total));
-        ParamStore params(1, 0);
-        Model model(params, gemms, args, 49152, 0, 512);
-        size_t free1;
-        CUDA_CHECK(cudaMemGetInfo(&free1, &total));
-        std::mt19937_64 rng(7);
-        std::lognormal_distribution<double> len(std::log(450.0), 0.9);
-        cudaStream_t s;
-        CUDA_CHECK(cudaStreamCreate(&s));
-        for (int T : {16384, 32768, 49152}) {
-            std::vector<int> tokens(T + 1), cu = {0};
-            for (int pos = 0; pos < T;) {
-                int L = std::min(T - pos, std::max(1, std::min(2048, (int)len(rng))));
-                tokens[pos] = BOS_ID;
-                for (int i = 1; i < L; ++i) tokens[pos + i] = (int)(rng() % BOS_ID);
-                pos += L;
-                cu.push_back(pos);
-            }
-            tokens[T] = 0;
-            const int cu_len = (int)next_multiple_of_n(T / 300, 128);
-            while ((int)cu.size() < cu_len) cu.push_back(T);
-            int *dt, *dcu;
-            CUDA_CHECK(cudaMalloc(&dt, tokens.size() * 4));
-            CUDA_CHECK(cudaMalloc(&dcu, cu.size() * 4));
-            CUDA_CHECK(cudaMemcpy(dt, tokens.data(), tokens.size() * 4, cudaMemcpyHostToDevice));
-            CUDA_CHECK(cudaMemcpy(dcu, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
-            ForwardArgs fa;
-            fa.mtp_weights = {1.f, 0.5f, 0.25f};
-            fa.ws_short = 1, fa.ws_long = 3;
-            fa.yarn = yarn_reset(args);
-            fa.loss_scale = 0.125f;
-            float t_f = time_ms([&] { model.forward(dt, dcu, (int)cu.size(), T, fa, s); }, 10);
-            float t_fb = time_ms([&] { model.forward(dt, dcu, (int)cu.size(), T, fa, s); model.backward(s); }, 10);
-            // one more pass, timed by parts
-            model.profile(true);
-            model.forward(dt, dcu, (int)cu.size(), T, fa, s);
-            model.backward(s);
-            CUDA_CHECK(cudaStreamSynchronize(s));
-            Model::Profile pr = model.profile_ms();
-            model.profile(false);
-            const float rest = t_fb - pr.gemm_ms - pr.attention_ms - pr.head_ms;
-            printf("  %6d tokens: forward (with the lm_head's backward) %7.2f ms, forward + backward %7.2f ms: GEMMs %.0f%%, "
-                   "attention %.0f%%, lm_head + loss %.0f%%, the rest (elementwise, norms, embeddings) %.0f%%\n", T, t_f,
-                   t_fb, 100 * pr.gemm_ms / t_fb, 100 * pr.attention_ms / t_fb, 100 * pr.head_ms / t_fb, 100 * rest / t_fb);
-            CUDA_CHECK(cudaFree(dt));
-            CUDA_CHECK(cudaFree(dcu));
-        }
-        CUDA_CHECK(cudaStreamDestroy(s));
-        printf("  device memory of the parameters, gradients, activations and workspaces: %.1f GiB\n",
-               (free0 - free1) / 1073741824.0);
-    }
-
+    bench_model(gemms);
     printf("\nAdam on one GPU\n");
     struct AdamParam { const char* name; int64_t n; };
     for (AdamParam ap : {AdamParam{"embed (50304x768)", 50304LL * 768}, AdamParam{"ve0..2 (3x50304x768)", 3LL * 50304 * 768},
@@ -148,5 +230,7 @@ int main() {
         printf("  %-24s %8.3f ms  %6.0f GB/s\n", ap.name, t, bytes / t / 1e6);
         for (void* q : {(void*)p, (void*)g, (void*)m, (void*)v}) CUDA_CHECK(cudaFree(q));
     }
+    bench_optimizer(1, 0, nullptr);
+    MPI_CHECK(MPI_Finalize());
     return 0;
 }

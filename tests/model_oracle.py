@@ -1,10 +1,18 @@
 #!/usr/bin/env python3
 """Oracle of the record-61 model, in plain eager PyTorch (no compile, no Triton), written from the
-record's code. Reads the weights, batch and schedule that tests/test_gpu writes to a folder, prints
-"train_loss <x>" (fp8 lm_head, multi-token prediction, summed and scaled), "eval_loss <x>" (bf16
-lm_head, mean next-token loss), and, where the folder holds the trainer's gradients
-(grad_<label>.bin), "grad <label> <relative error>" for every parameter: autograd through this
-model, with the record's fp8 lm_head backward.
+record's code. Reads the weights, batch and schedule that tests/test_gpu writes to a folder and
+prints "train_loss <x>" (fp8 lm_head, multi-token prediction, summed and scaled) and "eval_loss <x>"
+(bf16 lm_head, mean next-token loss) in the record's bf16 arithmetic.
+
+The trainer's hidden state and gradients cannot match bf16 PyTorch to a fixed tolerance (the fp8
+head's e5m2 gradient alone makes a few % of noise), so they are measured against a reference: the
+same model in fp32 (dense fp32 attention, fp8 head with the same quantisation and fp32 products).
+Each "<key> <label> <ours> <record>" line holds the relative error ||x - ref|| / ||ref|| of the
+trainer (ours) and of the bf16 oracle (record): "hidden final" for the final hidden state and,
+where the folder holds the trainer's gradients (grad_<label>.bin), "grad <label>" for every
+parameter and for each slice of the banks (a wrong block shows as O(1) error in its slice).
+Also "train_loss_ref", "eval_loss_ref" and "hidden_vs_embedding" (how far the blocks move the
+hidden state: the scale a wrong block would show at).
 
     python3 tests/model_oracle.py DIR
 """
@@ -49,15 +57,15 @@ def rotary(x, f1, f2):
     return f1 * x + f2 * x_flip
 
 
-def tables(freq, T, paired):
+def tables(freq, T, paired, dtype):
     t = torch.arange(T, dtype=torch.float32, device=dev)
     if paired:
         th1, th2 = torch.outer(2 * t, freq), torch.outer(2 * t + 1, freq)
-        f1 = torch.cat((th1.cos(), th2.cos()), dim=-1).to(torch.bfloat16)
-        f2 = torch.cat((th1.sin(), th2.sin()), dim=-1).to(torch.bfloat16)
+        f1 = torch.cat((th1.cos(), th2.cos()), dim=-1).to(dtype)
+        f2 = torch.cat((th1.sin(), th2.sin()), dim=-1).to(dtype)
     else:
         th = torch.outer(t, freq)
-        f1, f2 = th.cos().to(torch.bfloat16), th.sin().to(torch.bfloat16)
+        f1, f2 = th.cos().to(dtype), th.sin().to(dtype)
     f2[..., 1::2] *= -1
     return f1[None, :, None, :], f2[None, :, None, :]
 
@@ -89,10 +97,46 @@ class FP8Head(torch.autograd.Function):
         return grad_x, grad_w.to(torch.bfloat16), None, None, None
 
 
-def forward(P, A, tokens, cu, training):
+class FP8HeadRef(torch.autograd.Function):
+    """FP8Head for the fp32 reference: the same e4m3/e5m2 roundings (part of the model), the products
+    in fp32 (products of fp8 values are exact in fp32; only the accumulation rounds)."""
+
+    @staticmethod
+    def forward(ctx, x, w, x_s, w_s, grad_s):
+        x_q = x.div(x_s).to(torch.float8_e4m3fn).float()
+        w_q = w.div(w_s).to(torch.float8_e4m3fn).float()
+        ctx.save_for_backward(x_q, w_q)
+        ctx.scales = (x_s, w_s, grad_s)
+        return (x_q @ w_q) * (x_s * w_s)
+
+    @staticmethod
+    def backward(ctx, g):
+        x_q, w_q = ctx.saved_tensors
+        x_s, w_s, grad_s = ctx.scales
+        g_q = g.div(grad_s).to(torch.float8_e5m2).float()
+        return (g_q @ w_q.T) * (grad_s * w_s), (x_q.T @ g_q) * (x_s * grad_s), None, None, None
+
+
+def dense_attn(q, k, v, cu, scale, window):
+    """varlen_attn(..., window_size=(window, 0)) in fp32 (varlen_attn takes only bf16/fp16): q, k, v
+    are (positions, heads, Dh); key j is seen by query i iff both lie in one document of cu and
+    i - window <= j <= i. A dense masked softmax, so autograd gives its backward."""
+    pos = torch.arange(q.size(0), device=dev)
+    doc = torch.searchsorted(cu.long(), pos, right=True)  # cu's padding (= positions) is past every position
+    i, j = pos[:, None], pos[None, :]
+    allowed = (doc[:, None] == doc[None, :]) & (j <= i) & (j >= i - window)
+    s = torch.einsum("ihd,jhd->hij", q, k) * scale
+    p = s.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hij,jhd->ihd", p, v).contiguous()
+
+
+def forward(P, A, tokens, cu, training, fp32=False):
+    """The loss (a 0-d tensor) and the final hidden state. fp32=False: the record's bf16 arithmetic
+    on bf16 P; fp32=True: the reference, P in fp32, fp32 rotary tables and attention."""
     T = int(A["T"][0])
     inp, tgt = tokens[:T], tokens[1:T + 1].long()
     H, Dh, D = 6, 128, 768
+    dt = torch.float32 if fp32 else torch.bfloat16
     freq = torch.tensor(A["freq"], dtype=torch.float32, device=dev)
     attn_scale = A["attn_scale"][0]
     ws_short, ws_long, block = int(A["ws_short"][0]), int(A["ws_long"][0]), int(A["block_size"][0])
@@ -131,11 +175,11 @@ def forward(P, A, tokens, cu, training):
             if paired:
                 q, k = q.reshape(1, T, H // 2, 2 * Dh), k.reshape(1, T, H // 2, 2 * Dh)
                 v = v.reshape(1, 2 * T, H // 2, Dh)
-                f1, f2 = tables(freq, T, True)
+                f1, f2 = tables(freq, T, True, dt)
                 q, k = rotary(q, f1, f2), rotary(k, f1, f2)
                 q, k = q.view(1, 2 * T, H // 2, Dh), k.view(1, 2 * T, H // 2, Dh)
             else:
-                f1, f2 = tables(freq, T, False)
+                f1, f2 = tables(freq, T, False, dt)
                 q, k = rotary(q, f1, f2), rotary(k, f1, f2)
                 if bm[i] == long_bm:
                     k = k.clone()
@@ -148,8 +192,11 @@ def forward(P, A, tokens, cu, training):
                 else:
                     v = v + g.view(1, T, H, 1) * ve[i].view_as(v)
             m = 2 if paired else 1
-            y = varlen_attn(q[0].contiguous(), k[0].contiguous(), v[0].contiguous(), cu * m, cu * m, max_len * m, max_len * m,
-                            scale=attn_scale, window_size=(bm[i], 0))
+            if fp32:
+                y = dense_attn(q[0], k[0], v[0], cu * m, attn_scale, bm[i])
+            else:
+                y = varlen_attn(q[0].contiguous(), k[0].contiguous(), v[0].contiguous(), cu * m, cu * m, max_len * m,
+                                max_len * m, scale=attn_scale, window_size=(bm[i], 0))
             y = y.view(1, T, H, Dh)
             y = y * torch.sigmoid(F.linear(xn[..., :12], attn_gates[i])).view(1, T, H, 1)
             y = y.contiguous().view(1, T, D)
@@ -164,46 +211,74 @@ def forward(P, A, tokens, cu, training):
             x_backout = x
     x = x - backout_l * x_backout
     x = norm(x).view(T, D)
-    if not training:  # the trainer's final hidden state against ours
-        theirs = torch.from_numpy(np.fromfile(f"{sys.argv[1]}/hidden.bin", dtype=np.int16)).view(torch.bfloat16)
-        theirs = theirs.to(dev).view(T, D).float()
-        print(f"hidden_rel_err {((theirs - x.float()).norm() / x.float().norm()).item()!r}")
-        # how far the hidden state moved from the embeddings alone: the scale a wrong block would show at
-        e = norm(P["embed"][inp].float()[None]).view(T, D)
-        print(f"hidden_vs_embedding {((e - x.float()).norm() / x.float().norm()).item()!r}")
     a, b, c = A["softcap"]
     if training:
-        logits = FP8Head.apply(x, P["lm_head"], *A["fp8_scales"][:3])
+        logits = (FP8HeadRef if fp32 else FP8Head).apply(x, P["lm_head"], *A["fp8_scales"][:3])
         z = a * torch.sigmoid((logits.float() + b) / c)
         lse = torch.logsumexp(z, dim=-1)
         loss = torch.zeros(T, device=dev)
         for kk, wk in enumerate(A["mtp"]):
             rows = T - kk
             loss = loss + F.pad(wk * (lse[:rows] - z[torch.arange(rows, device=dev), tgt[kk:kk + rows]]), (0, kk))
-        return loss.sum() * A["loss_scale"][0]
+        return loss.sum() * A["loss_scale"][0], x
     logits = x @ P["lm_head"]
     logits = a * torch.sigmoid((logits + b) / c)
-    return F.cross_entropy(logits.float(), tgt, reduction="mean").item()
+    return F.cross_entropy(logits.float(), tgt, reduction="mean"), x
+
+
+def rel(x, ref):
+    return ((x.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def pieces(label, t):
+    """The parameter and, for the banks, its slices: a bug in one block shows as O(1) error in its
+    slice but may hide in the whole. attn[i] and attn_gate_bank[i] are bank rows (layer i, or i + 1
+    from i = 6 on: layer 6 has no attention), ve_gate_bank[i] that of layer 0, 1, 8, 9, 10; mlp[i]
+    is layer i (slot 11 is padding, its gradient zero: left out)."""
+    out = [(label, t)]
+    if label == "attn" or label.endswith("gate_bank"):
+        out += [(f"{label}[{i}]", t[i]) for i in range(t.size(0))]
+    if label == "mlp":
+        out += [(f"mlp[{i}].{name}", t[i, j]) for i in range(11) for j, name in enumerate(("fc", "proj"))]
+    return out
 
 
 def main():
+    torch.set_float32_matmul_precision("highest")  # no TF32 in the fp32 reference
     d = sys.argv[1]
     P, A, tokens, cu = load(d)
+    T, D = int(A["T"][0]), 768
     with torch.no_grad():
-        print(f"train_loss {forward(P, A, tokens, cu, True).item()!r}")
-        print(f"eval_loss {forward(P, A, tokens, cu, False)!r}")
+        print(f"train_loss {forward(P, A, tokens, cu, True)[0].item()!r}")
+        eval_loss, hidden_rec = forward(P, A, tokens, cu, False)
+        print(f"eval_loss {eval_loss.item()!r}")
+    # the fp32 reference: its hidden state and gradients from one training pass
+    # copies: .float() of the fp32 params would be P's own tensors, and the record's backward would add to their .grad
+    R = {label: t.to(torch.float32, copy=True).requires_grad_(True) for label, t in P.items()}
+    loss_ref, hidden_ref = forward(R, A, tokens, cu, True, fp32=True)
+    loss_ref.backward()
+    hidden_ref = hidden_ref.detach()
+    print(f"train_loss_ref {loss_ref.item()!r}")
+    with torch.no_grad():
+        print(f"eval_loss_ref {forward(R, A, tokens, cu, False, fp32=True)[0].item()!r}")
+    theirs = torch.from_numpy(np.fromfile(f"{d}/hidden.bin", dtype=np.int16)).view(torch.bfloat16).to(dev).view(T, D)
+    print(f"hidden final {rel(theirs, hidden_ref)!r} {rel(hidden_rec, hidden_ref)!r}")
+    e = norm(P["embed"][tokens[:T]].float()[None]).view(T, D)
+    print(f"hidden_vs_embedding {rel(e, hidden_ref)!r}")
     if not os.path.exists(f"{d}/grad_embed.bin"):
         return
+    ref_grads = {label: t.grad for label, t in R.items()}
+    del R
     for t in P.values():
         t.requires_grad_(True)
-    forward(P, A, tokens, cu, True).backward()
+    forward(P, A, tokens, cu, True)[0].backward()
     for label, t in P.items():
         raw = np.fromfile(f"{d}/grad_{label}.bin", dtype=np.int16 if t.dtype == torch.bfloat16 else np.float32)
         theirs = torch.from_numpy(raw)
-        theirs = (theirs.view(torch.bfloat16) if t.dtype == torch.bfloat16 else theirs).to(dev).float().view(t.shape)
-        ours = t.grad.float()
-        err = ((theirs - ours).norm() / ours.norm().clamp_min(1e-30)).item()
-        print(f"grad {label} {err!r}")
+        theirs = (theirs.view(torch.bfloat16) if t.dtype == torch.bfloat16 else theirs).to(dev).view(t.shape)
+        sliced = zip(pieces(label, theirs), pieces(label, t.grad), pieces(label, ref_grads[label]))
+        for (name, ours), (_, rec), (_, ref) in sliced:
+            print(f"grad {name} {rel(ours, ref)!r} {rel(rec, ref)!r}")
 
 
 if __name__ == "__main__":

@@ -1067,16 +1067,47 @@ static void scalar_ops_case(int64_t n, uint64_t seed) {
 static int run_oracle(const char* script, const std::string& dir, std::string& out) {
     return run_capture("python3 '" + std::string(TRAIN_GPT_SRC_DIR) + "/tests/" + script + "' '" + dir + "' 2>&1", out);
 }
-// the "<key> <label> <value>" lines of an oracle's output
-static std::vector<std::pair<std::string, double>> oracle_values(const std::string& out, const std::string& key) {
-    std::vector<std::pair<std::string, double>> values;
+// An oracle's "<key> <label> <ours> <record>" line: the relative errors of the trainer (ours) and of
+// the record's bf16 PyTorch arithmetic (record) against an fp32 reference of the same math.
+struct OracleLine {
+    std::string label;
+    double ours, record;
+    bool slice() const { return label.find('[') != std::string::npos; }  // a bank's slice ("attn[3]")
+};
+static std::vector<OracleLine> oracle_lines(const std::string& out, const std::string& key) {
+    std::vector<OracleLine> lines;
     for (size_t at = out.find(key + " "); at != std::string::npos; at = out.find(key + " ", at + 1)) {
         if (at > 0 && out[at - 1] != '\n') continue;
         char label[64];
-        double v = NAN;
-        if (sscanf(out.c_str() + at + key.size(), " %63s %lf", label, &v) == 2) values.push_back({label, v});
+        double ours = NAN, record = NAN;
+        if (sscanf(out.c_str() + at + key.size(), " %63s %lf %lf", label, &ours, &record) == 3)
+            lines.push_back({label, ours, record});
     }
-    return values;
+    return lines;
+}
+// The trainer passes where its error against the fp32 reference is at most NOISE_FACTOR times the
+// record's own error plus NOISE_MARGIN. A fixed threshold cannot tell rounding from a bug (the fp8
+// head's e5m2 gradient and bf16 Polar Express make a few % of noise); the record's error is the
+// noise floor of this arithmetic. The factor allows rounding as coarse as the record's that falls
+// elsewhere (other kernels, accumulation orders); the margin covers errors the record does not
+// have (Adam parameters: its two runs compute them identically). A wrong block shows as O(1).
+constexpr double NOISE_FACTOR = 1.5, NOISE_MARGIN = 2e-3;
+static bool within_noise(const OracleLine& l) { return l.ours <= NOISE_FACTOR * l.record + NOISE_MARGIN; }
+// prints the lines as a table, three to a row, and checks each
+static void check_oracle_lines(const char* what, const std::vector<OracleLine>& lines) {
+    printf("    %s, relative error vs the fp32 reference: ours / record (bf16 PyTorch)\n", what);
+    for (size_t i = 0; i < lines.size(); ++i)
+        printf("%s%-17s %.1e / %.1e %-4s%s", i % 3 == 0 ? "      " : "  ", lines[i].label.c_str(), lines[i].ours,
+               lines[i].record, within_noise(lines[i]) ? "ok" : "FAIL", i % 3 == 2 || i + 1 == lines.size() ? "\n" : "");
+    for (const OracleLine& l : lines)
+        CHECK(within_noise(l), "%s %s: %.2e from the fp32 reference, above %.1f x the record's %.2e + %.0e", what,
+              l.label.c_str(), l.ours, NOISE_FACTOR, l.record, NOISE_MARGIN);
+}
+// the number of whole-parameter lines and of bank-slice lines
+static std::pair<size_t, size_t> count_lines(const std::vector<OracleLine>& lines) {
+    size_t slices = 0;
+    for (const OracleLine& l : lines) slices += l.slice();
+    return {lines.size() - slices, slices};
 }
 
 // The model's forward pass against tests/model_oracle.py (plain PyTorch) on random weights and a
@@ -1191,24 +1222,27 @@ static void test_model_forward(const std::string& dir) {
     size_t a = out.find("train_loss "), b = out.find("eval_loss ");
     if (a != std::string::npos) o_train = atof(out.c_str() + a + 11);
     if (b != std::string::npos) o_eval = atof(out.c_str() + b + 10);
-    double e_h = NAN, moved = NAN;
-    size_t c = out.find("hidden_rel_err "), m = out.find("hidden_vs_embedding ");
-    if (c != std::string::npos) e_h = atof(out.c_str() + c + 15);
+    double moved = NAN;
+    size_t m = out.find("hidden_vs_embedding ");
     if (m != std::string::npos) moved = atof(out.c_str() + m + 20);
+    const auto hidden = oracle_lines(out, "hidden");
+    const OracleLine h = hidden.size() == 1 ? hidden[0] : OracleLine{"final", NAN, NAN};
     const double e_t = std::fabs(train - o_train) / std::fabs(o_train), e_e = std::fabs(eval - o_eval) / std::fabs(o_eval);
     printf("  model forward T %d: train loss %.6f (oracle %.6f, rel %.1e), eval loss %.6f (oracle %.6f, rel %.1e), final "
-           "hidden state rel err %.1e (%.2f from the embeddings alone)%s\n", T, train, o_train, e_t, eval, o_eval, e_e, e_h, moved,
-           train == train2 ? ", bit-identical twice" : ", NOT DETERMINISTIC");
+           "hidden state rel err vs fp32 %.1e (record %.1e; %.2f from the embeddings alone)%s\n", T, train, o_train, e_t, eval,
+           o_eval, e_e, h.ours, h.record, moved, train == train2 ? ", bit-identical twice" : ", NOT DETERMINISTIC");
+    CHECK(rc == 0 && e_t < 5e-3 && e_e < 5e-3 && train == train2, "model forward differs from the PyTorch oracle: %s",
+          out.c_str());
     // the losses sit near log(vocab) for random weights: the hidden state is the sensitive check
-    CHECK(rc == 0 && e_t < 5e-3 && e_e < 5e-3 && e_h < 3e-2 && train == train2,
-          "model forward differs from the PyTorch oracle: %s", out.c_str());
-    // every parameter's gradient from one training micro-step
-    const auto grads = oracle_values(out, "grad");
-    for (const auto& [label, err] : grads) {
-        printf("    grad %-15s rel err %.1e\n", label.c_str(), err);
-        CHECK(err < 2e-2, "gradient of %s differs from the PyTorch oracle (%.2e)", label.c_str(), err);
-    }
-    CHECK(grads.size() == 13, "the oracle compared %zu of 13 gradients: %s", grads.size(), out.c_str());
+    CHECK(hidden.size() == 1 && within_noise(h), "final hidden state: %.2e from the fp32 reference (record %.2e): %s", h.ours,
+          h.record, out.c_str());
+    // every parameter's gradient from one training micro-step, and each bank slice's: attn[0..9],
+    // mlp[0..10].{fc,proj} (slot 11 is padding), attn_gate_bank[0..9], ve_gate_bank[0..4]
+    const auto grads = oracle_lines(out, "grad");
+    check_oracle_lines("grad", grads);
+    const auto [whole, slices] = count_lines(grads);
+    CHECK(whole == 13 && slices == 10 + 22 + 10 + 5, "the oracle compared %zu of 13 gradients and %zu of 47 slices: %s",
+          whole, slices, out.c_str());
     // a NaN in layer 5's MLP stops the forward pass with the layer's name
     {
         Param& mlp = params["mlp"];
@@ -1288,13 +1322,13 @@ static void test_optimizer_step(const std::string& dir) {
     dump("final_", false);
     std::string out;
     const int rc = run_oracle("optimizer_oracle.py", dir, out);
-    const auto changes = oracle_values(out, "param");
-    for (const auto& [label, err] : changes) {
-        printf("  optimizer 4 steps: %-15s weight change rel err %.1e\n", label.c_str(), err);
-        CHECK(err < 3e-2, "optimizer: %s differs from the PyTorch oracle (%.2e)", label.c_str(), err);
-    }
-    CHECK(rc == 0 && changes.size() == 13, "the optimizer oracle compared %zu of 13 parameters: %s", changes.size(),
-          out.c_str());
+    // the weight changes of every parameter and of each layer's bank matrices: attn[0..9], mlp[0..11].{fc,proj}
+    const auto changes = oracle_lines(out, "param");
+    printf("  optimizer 4 steps: weight changes\n");
+    check_oracle_lines("param", changes);
+    const auto [whole, slices] = count_lines(changes);
+    CHECK(rc == 0 && whole == 13 && slices == 10 + 24, "the optimizer oracle compared %zu of 13 parameters and %zu of 34 "
+          "slices: %s", whole, slices, out.c_str());
 }
 
 static void test_optimizer_kernels() {
