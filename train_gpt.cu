@@ -509,13 +509,15 @@ class Gemms {
     Gemms(const Gemms&) = delete;
     Gemms& operator=(const Gemms&) = delete;
 
-    // C[m x n] = alpha op(A)[m x k] op(B)[k x n] + beta C; A, B bf16; C bf16 or fp32 (c_f32).
+    // C[m x n] = alpha op(A)[m x k] op(B)[k x n] + beta C_in; A, B bf16; C bf16 or fp32 (c_f32);
+    // C_in: C itself unless given (same type and layout), so a residual add needs no copy first.
     void bf16(cudaStream_t stream, Op opa, Op opb, int m, int n, int k, const __nv_bfloat16* A, int64_t lda,
               const __nv_bfloat16* B, int64_t ldb, void* C, int64_t ldc, bool c_f32, float alpha = 1.f,
-              float beta = 0.f) {
+              float beta = 0.f, const void* C_in = nullptr) {
+        if (!C_in) C_in = C;
         Key key{CUDA_R_16BF, CUDA_R_16BF, c_f32 ? CUDA_R_32F : CUDA_R_16BF, opa, opb, m, n, k, lda, ldb, ldc, false,
-                align(A), align(B), align(C)};
-        run(stream, key, A, B, C, C, alpha, beta, nullptr, nullptr);
+                align(A), align(B), std::min(align(C), align(C_in))};
+        run(stream, key, A, B, C_in, C, alpha, beta, nullptr, nullptr);
     }
 
     // A batch of bf16 products, matrix i at A + i*stride_a etc.: D = alpha op(A) op(B) + beta C,
@@ -1118,46 +1120,57 @@ class NorMuonAndAdam {
         for (const PlanStep& p : step_plan(configs_, do_adam, split_)) {
             switch (p.op) {
                 case PlanOp::AddTransposed:  // tied: embed's gradient joins lm_head's before its reduce
-                    CUDA_CHECK(transpose(bf(em.p->grad), bf(lm.p->grad), 1, PADDED_VOCAB_SIZE, MODEL_DIM, true, s));
+                    timed(transpose_t_, s, [&] {
+                        CUDA_CHECK(transpose(bf(em.p->grad), bf(lm.p->grad), 1, PADDED_VOCAB_SIZE, MODEL_DIM, true, s));
+                    });
                     if (comm_) after(s, comm_stream_);
                     break;
                 case PlanOp::AllReduce: {
                     State& st = state(p.label);
-                    NCCL_CHECK(ncclAllReduce(st.p->grad, st.p->grad, st.p->shape.numel(), nccl_type(st), ncclAvg, comm_,
-                                             comm_stream_));
+                    timed(comm_t_, comm_stream_, [&] {
+                        NCCL_CHECK(ncclAllReduce(st.p->grad, st.p->grad, st.p->shape.numel(), nccl_type(st), ncclAvg,
+                                                 comm_, comm_stream_));
+                    });
                     CUDA_CHECK(cudaEventRecord(st.reduced, comm_stream_));
                     break;
                 }
                 case PlanOp::ReduceScatter: {  // in place: this rank's chunk of the gradient holds the average
                     State& st = state(p.label);
-                    NCCL_CHECK(ncclReduceScatter(st.p->grad, chunk(st, st.p->grad), st.cfg.chunk_numel(), nccl_type(st),
-                                                 ncclAvg, comm_, comm_stream_));
+                    timed(comm_t_, comm_stream_, [&] {
+                        NCCL_CHECK(ncclReduceScatter(st.p->grad, chunk(st, st.p->grad), st.cfg.chunk_numel(),
+                                                     nccl_type(st), ncclAvg, comm_, comm_stream_));
+                    });
                     CUDA_CHECK(cudaEventRecord(st.reduced, comm_stream_));
                     break;
                 }
                 case PlanOp::Update: {
                     State& st = state(p.label);
-                    if (comm_) CUDA_CHECK(cudaStreamWaitEvent(s, st.reduced));
-                    if (st.cfg.optim == Optim::Adam) adam(st, lr_mult, s);
-                    else normuon(st, lr_mult, momentum, s);
+                    if (comm_) timed(wait_t_, s, [&] { CUDA_CHECK(cudaStreamWaitEvent(s, st.reduced)); });
+                    if (st.cfg.optim == Optim::Adam) timed(adam_t_, s, [&] { adam(st, lr_mult, s); });
+                    else timed(normuon_t_, s, [&] { normuon(st, lr_mult, momentum, s); });
                     break;
                 }
                 case PlanOp::AllGather: {  // in place: every rank's updated chunk to every rank
                     State& st = state(p.label);
                     CUDA_CHECK(cudaEventRecord(st.updated, s));
                     CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, st.updated));
-                    NCCL_CHECK(ncclAllGather(chunk(st, st.p->data), st.p->data, st.cfg.chunk_numel(), nccl_type(st), comm_,
-                                             comm_stream_));
+                    timed(comm_t_, comm_stream_, [&] {
+                        NCCL_CHECK(ncclAllGather(chunk(st, st.p->data), st.p->data, st.cfg.chunk_numel(), nccl_type(st),
+                                                 comm_, comm_stream_));
+                    });
                     CUDA_CHECK(cudaEventRecord(st.gathered, comm_stream_));
                     break;
                 }
                 case PlanOp::CopyTransposed:  // tied: embed = lm_head^T, once lm_head is whole again
-                    if (lm.cfg.comms == Comms::Sharded) CUDA_CHECK(cudaStreamWaitEvent(s, lm.gathered));
-                    CUDA_CHECK(transpose(bf(lm.p->data), bf(em.p->data), 1, MODEL_DIM, PADDED_VOCAB_SIZE, false, s));
+                    if (lm.cfg.comms == Comms::Sharded)
+                        timed(wait_t_, s, [&] { CUDA_CHECK(cudaStreamWaitEvent(s, lm.gathered)); });
+                    timed(transpose_t_, s, [&] {
+                        CUDA_CHECK(transpose(bf(lm.p->data), bf(em.p->data), 1, MODEL_DIM, PADDED_VOCAB_SIZE, false, s));
+                    });
                     break;
             }
         }
-        if (comm_) after(comm_stream_, s);  // every gather is in before the next forward pass
+        if (comm_) timed(wait_t_, s, [&] { after(comm_stream_, s); });  // every gather is in before the next forward
         // gradients start over: NorMuon's every step, Adam's after the steps that use them
         for (State& st : states_)
             if (st.cfg.optim == Optim::NorMuon || do_adam) CUDA_CHECK(cudaMemsetAsync(st.p->grad, 0, st.p->bytes(), s));
@@ -1213,6 +1226,20 @@ class NorMuonAndAdam {
 
     bool split() const { return split_; }
 
+    // Where a step's time goes (for `make bench`), from the steps taken while profiling: NorMuon's
+    // updates (momentum, Polar Express, variance, apply), Adam's, the tied embedding's transposes,
+    // the compute stream's waits for NCCL, and NCCL's own time on its stream.
+    struct Profile {
+        float normuon_ms, adam_ms, transpose_ms, wait_ms, comm_ms;
+    };
+    void profile(bool on) { profiling_ = on; }
+    Profile profile_ms() {
+        Profile p{normuon_t_.total_ms(), adam_t_.total_ms(), transpose_t_.total_ms(), wait_t_.total_ms(),
+                  comm_t_.total_ms()};
+        for (StreamTimer* t : {&normuon_t_, &adam_t_, &transpose_t_, &wait_t_, &comm_t_}) t->clear();
+        return p;
+    }
+
    private:
     struct State {
         ParamConfig cfg;
@@ -1234,6 +1261,12 @@ class NorMuonAndAdam {
     // this rank's chunk of a parameter's data or gradient (all of it when not sharded)
     static void* chunk(const State& st, void* base) {
         return (char*)base + st.offset * (st.p->shape.fp32 ? 4 : 2);
+    }
+    template <typename Fn>
+    void timed(StreamTimer& t, cudaStream_t s, Fn fn) {
+        if (profiling_) t.begin(s);
+        fn();
+        if (profiling_) t.end(s);
     }
     // `later` waits for what `first` has queued so far
     void after(cudaStream_t first, cudaStream_t later) {
@@ -1291,6 +1324,8 @@ class NorMuonAndAdam {
     float* g32_ = nullptr;
     __nv_bfloat16* v_ = nullptr;
     bool split_ = false;
+    bool profiling_ = false;
+    StreamTimer normuon_t_, adam_t_, transpose_t_, wait_t_, comm_t_;
 };
 
 // -----------------------------------------------------------------------------
@@ -1383,13 +1418,15 @@ class Model {
             eval_skip_ = bf((int64_t)max_eval_tokens * D), eval_back_ = bf((int64_t)max_eval_tokens * D);
         }
         wqkv_ = bf(3 * D * D), wo_ = bf(D * D);
+        rope_positions_ = 2 * (int)TE;  // the paired-head layers rotate 2 positions per token
+        rope_ = alloc<__nv_bfloat162>((int64_t)rope_positions_ * 32);
         tiles_ = (int4*)alloc<unsigned char>(attention_tiles_bytes(2 * (int)TE, max_cu_len));
         xf8_ = alloc<uint8_t>(T * D), xf8t_ = alloc<uint8_t>(T * D);
         wf8t_ = alloc<uint8_t>(V * D), wf8_ = alloc<uint8_t>(V * D);
         logits_ = bf((int64_t)LOGIT_ROWS * V);
         gf8_ = alloc<uint8_t>((int64_t)LOGIT_ROWS * V), gf8t_ = alloc<uint8_t>((int64_t)LOGIT_ROWS * V);
         lm_grad_ = alloc<float>(V * D);
-        losses_ = alloc<float>(TE), loss_ = alloc<float>(1), bad_ = alloc<int>(1);
+        losses_ = alloc<float>(TE), lse_ = alloc<float>(LOGIT_ROWS), loss_ = alloc<float>(1), bad_ = alloc<int>(1);
         // backward workspaces
         dx_ = bf(T * D), dtmp_ = bf(T * D), dx0_ = bf(T * D), dskip_ = bf(T * D), dback_ = bf(T * D), dxn_ = bf(T * D);
         dy_ = bf(T * D), dyg_ = bf(T * D), dq_ = bf(T * D), dk_ = bf(T * D), dv_ = bf(T * D), dqkv_ = bf(T * 3 * D);
@@ -1397,6 +1434,7 @@ class Model {
         for (auto& v : dve_) v = bf(T * D);
         dw_ = alloc<float>(3 * D * D), delta_ = alloc<float>(NUM_HEADS * 2 * T), dz_ = alloc<float>(NUM_HEADS * T);
         dlam_rows_ = alloc<float>(T), partial_ = alloc<float>(2 * scal::DOT_BLOCKS);
+        gate_partial_ = alloc<float>(gate::WG_BLOCKS * gate::WG_OUT);
         for (float*& sc : scales_) sc = alloc<float>(1);  // separate allocations: cuBLASLt wants 16-byte alignment
         const float vals[3] = {(float)args.lm_head_x_s, (float)args.lm_head_w_s, (float)args.lm_head_grad_s};
         for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaMemcpy(scales_[i], &vals[i], 4, cudaMemcpyHostToDevice));
@@ -1414,6 +1452,12 @@ class Model {
         if (T % 16) fail(strprintf("forward: %d tokens is not a multiple of 16 (fp8 GEMMs)", T));
         T_ = T, tokens_ = tokens, cu_ = cu, cu_len_ = cu_len, fa_ = fa;
         const int64_t D = MODEL_DIM, TD = (int64_t)T * D;
+        if (fa.yarn.angular_freq != rope_freq_) {  // a new YaRN state: the rotary table again
+            qkrope::Freqs fr;
+            for (int f = 0; f < 32; ++f) fr.f[f] = fa.yarn.angular_freq[2 * f];
+            CUDA_CHECK(rope_table(fr, rope_positions_, rope_, s));
+            rope_freq_ = fa.yarn.angular_freq;
+        }
         CUDA_CHECK(cudaMemsetAsync(bad_, 0xff, sizeof(int), s));  // -1: all finite
         float* scalars = (float*)p_["scalars"].data;
         float* x0_lambdas = (float*)p_["x0_lambdas"].data;
@@ -1439,15 +1483,14 @@ class Model {
                 CUDA_CHECK(gate_forward(GateKind::Skip, sk, s));
             }
             CUDA_CHECK(combine(l.x_mix, l.x_in, x0_, TD, {scalars + SCALAR_RESID + i, 1.f, 0.f}, {x0_lambdas + i, 1.f, 0.f}, s));
-            CUDA_CHECK(cudaMemcpyAsync(l.x_attn, l.x_mix, TD * 2, cudaMemcpyDeviceToDevice, s));
-            if (has_attention(i)) attention_forward_block(i, s);
+            if (has_attention(i)) attention_forward_block(i, s);  // x_attn = x_mix + attention
+            else CUDA_CHECK(cudaMemcpyAsync(l.x_attn, l.x_mix, TD * 2, cudaMemcpyDeviceToDevice, s));
             // MLP: x += relu(norm(x) c_fc^T)^2 c_proj
             CUDA_CHECK(rms_norm_forward(l.x_attn, D, l.xn_m, D, l.rstd_m, T, D, RMS_NORM_EPS, s));
             gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, l.xn_m, D, c_fc(i), D, l.pre, 4 * D, false);
             CUDA_CHECK(relu_square_forward(l.pre, l.post, (int64_t)T * 4 * D, s));
             __nv_bfloat16* out = i + 1 < NUM_LAYERS ? layer(i + 1).x_in : x_last_;
-            CUDA_CHECK(cudaMemcpyAsync(out, l.x_attn, TD * 2, cudaMemcpyDeviceToDevice, s));
-            gemms_.bf16(s, Op::N, Op::N, T, D, 4 * D, l.post, 4 * D, c_proj(i), D, out, D, false, 1.f, 1.f);
+            gemms_.bf16(s, Op::N, Op::N, T, D, 4 * D, l.post, 4 * D, c_proj(i), D, out, D, false, 1.f, 1.f, l.x_attn);
             CUDA_CHECK(check_finite(out, TD, bad_, i, s));
             x = out;
         }
@@ -1564,13 +1607,13 @@ class Model {
 
     gate::Params row_gate(int T, const __nv_bfloat16* x, const __nv_bfloat16* w, const float* lambda) {
         gate::Params g{};
-        g.tokens = T, g.heads = 1, g.x = x, g.ld_x = MODEL_DIM, g.w = w, g.lambda = lambda;
+        g.tokens = T, g.heads = 1, g.x = x, g.ld_x = MODEL_DIM, g.w = w, g.lambda = lambda, g.partial = gate_partial_;
         g.ld_a = g.ld_b = g.ld_out = g.ld_dout = g.ld_da = g.ld_db = MODEL_DIM;
         return g;
     }
     gate::Params head_gate(int i, const __nv_bfloat16* w) {
         gate::Params g{};
-        g.tokens = T_, g.heads = NUM_HEADS, g.x = layer(i).xn_a, g.ld_x = MODEL_DIM, g.w = w;
+        g.tokens = T_, g.heads = NUM_HEADS, g.x = layer(i).xn_a, g.ld_x = MODEL_DIM, g.w = w, g.partial = gate_partial_;
         g.ld_a = g.ld_b = g.ld_out = g.ld_dout = g.ld_da = g.ld_db = MODEL_DIM;
         return g;
     }
@@ -1593,7 +1636,7 @@ class Model {
         Layer& l = layer(i);
         qkrope::Params qr{};
         qr.qkv = l.qkv, qr.ld = 3 * MODEL_DIM, qr.q = l.q, qr.k = l.k, qr.tokens = T_, qr.heads = NUM_HEADS;
-        for (int f = 0; f < 32; ++f) qr.freq[f] = fa_.yarn.angular_freq[2 * f];
+        qr.rope = rope_;
         qr.eps = RMS_NORM_EPS, qr.paired = paired_head(i), qr.key_offset = long_window(i);
         qr.dq = dq_, qr.dk = dk_, qr.dqkv = dqkv_, qr.ld_grad = 3 * MODEL_DIM;
         return qr;
@@ -1623,7 +1666,7 @@ class Model {
         og.a = l.y, og.out = l.yg;
         CUDA_CHECK(gate_forward(GateKind::Output, og, s));
         CUDA_CHECK(scale_weight(wo_, attn_w(i) + 3 * D * D, D * D, scalars + SCALAR_SA + 2 * i + 1, s));
-        gemms_.bf16(s, Op::N, Op::T, T, D, D, l.yg, D, wo_, D, l.x_attn, D, false, 1.f, 1.f);
+        gemms_.bf16(s, Op::N, Op::T, T, D, D, l.yg, D, wo_, D, l.x_attn, D, false, 1.f, 1.f, l.x_mix);  // x_mix + y o
     }
 
     // dx holds d x_attn on entry and d x_mix on return
@@ -1702,11 +1745,11 @@ class Model {
             for (size_t k = 0; k < w.size(); ++k) cp.w[k] = w[k];
             cp.a = (float)args_.softcap_a, cp.b = (float)args_.softcap_b, cp.c = (float)args_.softcap_c;
             cp.losses = losses_ + r0;
-            if (training) cp.grad = logits_, cp.ld_grad = V, cp.grad_scale = fa_.loss_scale;  // in place
+            cp.lse = training ? lse_ : nullptr, cp.grad_scale = fa_.loss_scale;
             CUDA_CHECK(softcapped_cross_entropy(cp, s));
             if (!training) continue;
-            CUDA_CHECK(cast_to_fp8(logits_, V, gf8_, V, rows, V, (float)args_.lm_head_grad_s, true, false, s));
-            CUDA_CHECK(cast_to_fp8(logits_, V, gf8t_, rows, rows, V, (float)args_.lm_head_grad_s, true, true, s));
+            // the gradient of the logits, e5m2, in the two layouts of the GEMMs below
+            CUDA_CHECK(softcapped_ce_grad_fp8(cp, gf8_, V, gf8t_, rows, (float)args_.lm_head_grad_s, s));
             // d norm(x) = g w^T; d lm_head += x^T g (fp32, as the record's grad_w)
             gemms_.fp8(s, rows, D, V, gf8_, CUDA_R_8F_E5M2, V, wf8_, CUDA_R_8F_E4M3, V, dxn_head_ + (int64_t)r0 * D, D,
                        false, scales_[2], scales_[1], false);
@@ -1737,13 +1780,16 @@ class Model {
     Layer layers_[NUM_LAYERS], eval_[2];
     __nv_bfloat16 *eval_skip_ = nullptr, *eval_back_ = nullptr;
     __nv_bfloat16 *emb_, *xs_, *x0_, *x_last_, *x_back_, *xn_, *ve_[3], *wqkv_, *wo_, *logits_;
-    float *rstd0_, *rstd_f_, *losses_, *loss_, *lm_grad_, *scales_[3];  // x_s, w_s, grad_s
+    __nv_bfloat162* rope_ = nullptr;  // the rotary table for rope_freq_
+    int rope_positions_ = 0;
+    std::vector<float> rope_freq_;
+    float *rstd0_, *rstd_f_, *losses_, *lse_, *loss_, *lm_grad_, *scales_[3];  // x_s, w_s, grad_s
     int* bad_;  // the first layer whose output was not finite, or -1
     int4* tiles_;
     uint8_t *xf8_, *xf8t_, *wf8t_, *wf8_, *gf8_, *gf8t_;
     __nv_bfloat16 *dx_, *dtmp_, *dx0_, *dskip_, *dback_, *dxn_, *dy_, *dyg_, *dq_, *dk_, *dv_, *dqkv_, *dpost_, *dpre_,
         *dxn_head_, *demb_, *dve_[3];
-    float *dw_, *delta_, *dz_, *dlam_rows_, *partial_;
+    float *dw_, *delta_, *dz_, *dlam_rows_, *partial_, *gate_partial_;
     std::unique_ptr<EmbeddingBackward> embed_bwd_;
     bool profiling_ = false;
     StreamTimer gemm_timer_, attn_timer_, head_timer_;

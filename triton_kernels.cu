@@ -643,11 +643,11 @@ inline cudaError_t attention_backward(const attn::Params& p, cudaStream_t stream
 // -----------------------------------------------------------------------------
 // Fused soft-capped cross-entropy with multi-token prediction (record 61's
 // FusedSoftcappedCrossEntropy): z = a * sigmoid((logit + b) / c), lse = log sum exp z, and the row's
-// loss sum_k w_k (lse - z[target[row + k]]) over the k with row + k < rows. Training writes the
-// gradient in the same pass over the logits (the second read of a row hits L2):
+// loss sum_k w_k (lse - z[target[row + k]]) over the k with row + k < rows. Evaluation (weights
+// {1}) gives the plain next-token loss. z < a bounds exp(z), so the sum needs no running maximum.
+// One CTA per row; vocab a multiple of 8 (16-byte loads). In training a second kernel (after the
+// fp8 casts below) turns the logits and each row's lse into the gradient, already in fp8:
 //   dlogit = grad_scale * (sum_k w_k * softmax(z) - sum_k w_k [col == target[row + k]]) * z (1 - z/a) / c
-// Evaluation (weights {1}, no gradient) gives the plain next-token loss. z < a bounds exp(z), so
-// the sum needs no running maximum. One CTA per row; vocab a multiple of 8 (16-byte loads).
 
 namespace ce {
 
@@ -665,12 +665,15 @@ struct Params {
     float w[MAX_PREDICT];
     float a, b, c;                // soft-cap
     float* losses;                // rows
-    __nv_bfloat16* grad;          // rows x vocab (row stride ld_grad), or null for no gradient; may alias logits
-    int64_t ld_grad;
-    float grad_scale;
+    float* lse;                   // rows, or null (the gradient needs it)
+    float grad_scale;             // the gradient's factor (the loss scale)
 };
 
-__device__ __forceinline__ float softcap(const Params& p, float x) { return p.a / (1.f + __expf(-(x + p.b) / p.c)); }
+// a / (1 + exp(-(x + b) / c)) with fast reciprocals (nic = -1/c): IEEE divisions here would make
+// these passes over the logits compute-bound
+__device__ __forceinline__ float softcap(const Params& p, float nic, float x) {
+    return __fdividef(p.a, 1.f + __expf((x + p.b) * nic));
+}
 
 __device__ __forceinline__ float block_sum(float v, float* red) {
 #pragma unroll
@@ -693,22 +696,21 @@ __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) 
     const int row = blockIdx.x;
     const __nv_bfloat16* x = p.logits + (int64_t)row * p.ld;
     const int nvec = p.vocab / 8;
+    const float nic = -1.f / p.c;
     float sum = 0.f;
     for (int v = threadIdx.x; v < nvec; v += THREADS) {
         float f[8];
         tk::load8(x + v * 8, f);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) sum += __expf(softcap(p, f[e]));
+        for (int e = 0; e < 8; ++e) sum += __expf(softcap(p, nic, f[e]));
     }
     int tgt[MAX_PREDICT];
-    float wsum = 0.f, zt[MAX_PREDICT];
+    float zt[MAX_PREDICT];
 #pragma unroll
     for (int k = 0; k < MAX_PREDICT; ++k) {
         bool on = k < p.n_predict && row + k < p.target_rows;
         tgt[k] = on ? p.targets[row + k] : -1;
-        if (on) wsum += p.w[k];
-        // read before the barrier in block_sum: the gradient may overwrite the logits in place
-        zt[k] = threadIdx.x == 0 && tgt[k] >= 0 && tgt[k] < p.vocab ? softcap(p, __bfloat162float(x[tgt[k]])) : 0.f;
+        zt[k] = threadIdx.x == 0 && tgt[k] >= 0 && tgt[k] < p.vocab ? softcap(p, nic, __bfloat162float(x[tgt[k]])) : 0.f;
     }
     const float lse = logf(block_sum(sum, red));
     if (threadIdx.x == 0) {
@@ -717,32 +719,15 @@ __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) 
         for (int k = 0; k < MAX_PREDICT; ++k)
             if (tgt[k] >= 0 && tgt[k] < p.vocab) loss += p.w[k] * (lse - zt[k]);
         p.losses[row] = loss;
-    }
-    if (!p.grad) return;
-    __nv_bfloat16* g = p.grad + (int64_t)row * p.ld_grad;
-    const float inv_c = 1.f / p.c, inv_a = 1.f / p.a;
-    for (int v = threadIdx.x; v < nvec; v += THREADS) {
-        float f[8];
-        tk::load8(x + v * 8, f);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const int col = v * 8 + e;
-            const float z = softcap(p, f[e]);
-            float dz = wsum * __expf(z - lse);
-#pragma unroll
-            for (int t = 0; t < MAX_PREDICT; ++t)
-                if (col == tgt[t]) dz -= p.w[t];
-            f[e] = p.grad_scale * dz * z * (1.f - z * inv_a) * inv_c;
-        }
-        tk::store8(g + v * 8, f);
+        if (p.lse) p.lse[row] = lse;
     }
 }
 
 }  // namespace ce
 
+// the rows' losses (and lse where p.lse is set)
 inline cudaError_t softcapped_cross_entropy(const ce::Params& p, cudaStream_t stream) {
-    if (p.vocab % 8 != 0 || p.ld % 8 != 0 || (p.grad && p.ld_grad % 8 != 0) || p.n_predict < 1 ||
-        p.n_predict > ce::MAX_PREDICT)
+    if (p.vocab % 8 != 0 || p.ld % 8 != 0 || p.n_predict < 1 || p.n_predict > ce::MAX_PREDICT)
         return cudaErrorInvalidValue;
     ce::softcapped_ce_kernel<<<p.rows, ce::THREADS, 0, stream>>>(p);
     return cudaGetLastError();
@@ -937,6 +922,93 @@ __global__ void cast_transpose_kernel(const __nv_bfloat16* src, int64_t lds, uin
 
 }  // namespace fp8cast
 
+// The cross-entropy's gradient straight to fp8 (e5m2, / grad_s), in both layouts the lm_head's
+// backward GEMMs read: g8 (rows x vocab) for d norm(x) = g w^T and g8t (vocab x rows) for
+// d lm_head = x^T g (fp8 GEMMs take K-major operands only). One pass over the logits instead of a
+// bf16 gradient and two casts of it. Rounds through bf16 first, as the record's bf16 gradient does.
+// A 64-row x 128-column tile per CTA, transposed through shared memory.
+namespace ce {
+
+constexpr int GR = 64, GC = 128, GPITCH = GR + 2;  // pitch 66: 2-way bank conflicts at most
+
+__global__ void __launch_bounds__(256) grad_fp8_kernel(const Params p, uint8_t* g8, int64_t ld8, uint8_t* g8t,
+                                                       int64_t ld8t, float inv_grad_s) {
+    __shared__ uint8_t tile[GC * GPITCH];  // [col][row]
+    __shared__ float s_lse[GR], s_wsum[GR];
+    __shared__ int s_tgt[GR][MAX_PREDICT];
+    const int r0 = blockIdx.y * GR, c0 = blockIdx.x * GC, t = threadIdx.x;
+    if (t < GR) {
+        const int row = r0 + t;
+        float wsum = 0.f;
+#pragma unroll
+        for (int k = 0; k < MAX_PREDICT; ++k) {
+            const bool on = row < p.rows && k < p.n_predict && row + k < p.target_rows;
+            s_tgt[t][k] = on ? p.targets[row + k] : -1;
+            if (on) wsum += p.w[k];
+        }
+        s_lse[t] = row < p.rows ? p.lse[row] : 0.f;
+        s_wsum[t] = wsum;
+    }
+    __syncthreads();
+    const float inv_c = 1.f / p.c, inv_a = 1.f / p.a, nic = -inv_c;
+    // 64 rows x 16 vectors of 8: four passes of 16 rows
+#pragma unroll
+    for (int pass = 0; pass < GR / 16; ++pass) {
+        const int r = pass * 16 + t / 16, c = (t % 16) * 8, row = r0 + r, col = c0 + c;
+        if (row >= p.rows || col >= p.vocab) continue;
+        float f[8];
+        tk::load8(p.logits + (int64_t)row * p.ld + col, f);
+        uint2 out;
+        uint8_t* o = reinterpret_cast<uint8_t*>(&out);
+#pragma unroll
+        for (int e = 0; e < 8; e += 2) {  // in pairs: the packed conversions halve their cost
+            float g[2];
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const float z = softcap(p, nic, f[e + q]);
+                float dz = s_wsum[r] * __expf(z - s_lse[r]);
+#pragma unroll
+                for (int k = 0; k < MAX_PREDICT; ++k)
+                    if (col + e + q == s_tgt[r][k]) dz -= p.w[k];
+                g[q] = p.grad_scale * dz * z * (1.f - z * inv_a) * inv_c;
+            }
+            const float2 gb = __bfloat1622float2(__floats2bfloat162_rn(g[0], g[1]));
+            const __nv_fp8x2_storage_t v =
+                __nv_cvt_float2_to_fp8x2(make_float2(gb.x * inv_grad_s, gb.y * inv_grad_s), __NV_SATFINITE, __NV_E5M2);
+            o[e] = (uint8_t)(v & 0xff), o[e + 1] = (uint8_t)(v >> 8);
+            tile[(c + e) * GPITCH + r] = o[e];
+            tile[(c + e + 1) * GPITCH + r] = o[e + 1];
+        }
+        *reinterpret_cast<uint2*>(g8 + (int64_t)row * ld8 + col) = out;
+    }
+    __syncthreads();
+    // transposed: 128 columns x 4 vectors of 16 rows: two passes of 64 columns
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+        const int c = pass * 64 + t / 4, r = (t % 4) * 16;
+        if (c0 + c >= p.vocab || r0 + r >= p.rows) continue;
+        uint4 out;
+        uint8_t* o = reinterpret_cast<uint8_t*>(&out);
+#pragma unroll
+        for (int k = 0; k < 16; ++k) o[k] = tile[c * GPITCH + r + k];
+        *reinterpret_cast<uint4*>(g8t + (int64_t)(c0 + c) * ld8t + r0 + r) = out;
+    }
+}
+
+}  // namespace ce
+
+// p as for softcapped_cross_entropy, with p.lse from it; rows a multiple of 16, vocab of 8,
+// ld8 and ld8t of 16
+inline cudaError_t softcapped_ce_grad_fp8(const ce::Params& p, uint8_t* g8, int64_t ld8, uint8_t* g8t, int64_t ld8t,
+                                          float grad_s, cudaStream_t stream) {
+    if (p.rows % 16 || p.vocab % 8 || p.ld % 8 || ld8 % 16 || ld8t % 16 || !p.lse || p.n_predict < 1 ||
+        p.n_predict > ce::MAX_PREDICT)
+        return cudaErrorInvalidValue;
+    dim3 grid((p.vocab + ce::GC - 1) / ce::GC, (p.rows + ce::GR - 1) / ce::GR);
+    ce::grad_fp8_kernel<<<grid, 256, 0, stream>>>(p, g8, ld8, g8t, ld8t, 1.f / grad_s);
+    return cudaGetLastError();
+}
+
 // src: rows x cols bf16 (row stride lds); dst: rows x cols fp8 (ldd), or cols x rows when transposed.
 // rows and cols multiples of 16; strides multiples of 16 elements.
 inline cudaError_t cast_to_fp8(const __nv_bfloat16* src, int64_t lds, void* dst, int64_t ldd, int rows, int cols,
@@ -974,7 +1046,7 @@ struct Params {
     int64_t ld;
     __nv_bfloat16 *q, *k;      // tokens x heads x 128
     int tokens, heads;
-    float freq[32];            // angular frequency of pair i (dims 2i, 2i+1), i < 32
+    const __nv_bfloat162* rope;  // (cos, sin) of pair i at position pos: rope[pos * 32 + i] (rope_table)
     float eps;
     bool paired, key_offset;
     // backward: gradients of q and k in, of the QKV projection's q and k columns out
@@ -994,15 +1066,27 @@ __device__ __forceinline__ void store4(__nv_bfloat16* p, const float f[4]) {
     u.x = tk::pack_bf16(f[0], f[1]), u.y = tk::pack_bf16(f[2], f[3]);
     *reinterpret_cast<uint2*>(p) = u;
 }
-// cos, sin of the rotation of pair i at position pos, rounded to bf16 like the record's tables
+// cos, sin of the rotation of pair i at position pos, from the table
 __device__ __forceinline__ void rot(const Params& p, int pos, int i, float& c, float& s) {
     if (i >= 32) {
         c = 1.f, s = 0.f;
         return;
     }
-    float theta = (float)pos * p.freq[i];
-    c = __bfloat162float(__float2bfloat16(cosf(theta)));
-    s = __bfloat162float(__float2bfloat16(sinf(theta)));
+    const float2 cs = __bfloat1622float2(p.rope[(int64_t)pos * 32 + i]);
+    c = cs.x, s = cs.y;
+}
+
+// The rotary table, rounded to bf16 like the record's cos/sin tables: theta = pos * freq[i] in
+// fp32, then accurate cos/sin (the arguments reach 1e5 radians: computed once per frequency change
+// rather than in every layer's prologue).
+struct Freqs {
+    float f[32];  // angular frequency of pair i (dims 2i, 2i+1)
+};
+__global__ void table_kernel(const Freqs fr, int64_t n, __nv_bfloat162* table) {
+    for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < n; idx += (int64_t)gridDim.x * blockDim.x) {
+        const float theta = (float)(idx / 32) * fr.f[idx % 32];
+        table[idx] = __floats2bfloat162_rn(cosf(theta), sinf(theta));
+    }
 }
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -1097,6 +1181,12 @@ __global__ void bwd_kernel(const Params p) {
 
 }  // namespace qkrope
 
+// table: positions x 32 (cos, sin) pairs
+inline cudaError_t rope_table(const qkrope::Freqs& freq, int positions, __nv_bfloat162* table, cudaStream_t stream) {
+    const int64_t n = (int64_t)positions * 32;
+    qkrope::table_kernel<<<(unsigned)std::min<int64_t>((n + 255) / 256, 132 * 16), 256, 0, stream>>>(freq, n, table);
+    return cudaGetLastError();
+}
 inline cudaError_t qk_norm_rope_forward(const qkrope::Params& p, cudaStream_t stream) {
     const int64_t warps = (int64_t)p.tokens * p.heads * 2;
     qkrope::fwd_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, stream>>>(p);
@@ -1544,6 +1634,7 @@ struct Params {
     int64_t ld_da, ld_db;
     float* dz;                   // tokens x heads
     float* dlam_rows;            // tokens: per-token lambda gradient terms
+    float* partial;              // WG_BLOCKS x WG_OUT floats: the weight gradient's partial sums
 };
 
 __device__ __forceinline__ float sigmoid(float z) { return 1.f / (1.f + __expf(-z)); }
@@ -1701,21 +1792,65 @@ __global__ void gate_input_grad_kernel(const Params p, __nv_bfloat16* dx, int64_
     dx[t * ld_dx + j] = __float2bfloat16(s);
 }
 
-// dw[h][j] += sum_t dz[t,h] x[t][j] (bf16 gradient), and *dlambda += sum_t dlam_rows[t]: one block
-// per output, tokens summed in a fixed order
-__global__ void gate_weight_grad_kernel(const Params p, __nv_bfloat16* dw, float* dlambda) {
-    __shared__ float red[32];
-    const int o = blockIdx.x;  // heads * 12 weights, then the lambda
-    const bool lam = o == p.heads * GW;
-    const int h = o / GW, j = o % GW;
-    float s = 0.f;
-    for (int t = threadIdx.x; t < p.tokens; t += blockDim.x)
-        s += lam ? p.dlam_rows[t] : p.dz[(int64_t)t * p.heads + h] * __bfloat162float(p.x[t * p.ld_x + j]);
-    const float total = tk::block_sum0(s, red);
-    if (threadIdx.x == 0) {
-        if (lam) *dlambda += total;
-        else dw[h * GW + j] = __float2bfloat16(__bfloat162float(dw[h * GW + j]) + total);
+// dw[h][j] += sum_t dz[t,h] x[t][j] (bf16 gradient), and *dlambda += sum_t dlam_rows[t], in a
+// fixed order: each of WG_BLOCKS blocks sums a slice of the tokens (each thread its tokens, then
+// the block's warps in order) into p.partial, then one thread per output adds the slices in order.
+constexpr int WG_BLOCKS = 96, MAX_HEADS = 6, WG_OUT = MAX_HEADS * GW + 1;
+
+__global__ void __launch_bounds__(256) gate_weight_partial_kernel(const Params p, bool with_lambda) {
+    __shared__ float red[8][WG_OUT];
+    float acc[MAX_HEADS][GW], lam = 0.f;
+#pragma unroll
+    for (int h = 0; h < MAX_HEADS; ++h)
+#pragma unroll
+        for (int j = 0; j < GW; ++j) acc[h][j] = 0.f;
+    const int per = (p.tokens + WG_BLOCKS - 1) / WG_BLOCKS, t1 = min(p.tokens, (blockIdx.x + 1) * per);
+    for (int t = blockIdx.x * per + threadIdx.x; t < t1; t += blockDim.x) {
+        float x[GW];
+        const __nv_bfloat162* xr = reinterpret_cast<const __nv_bfloat162*>(p.x + t * p.ld_x);
+#pragma unroll
+        for (int j = 0; j < GW / 2; ++j) {
+            const float2 v = __bfloat1622float2(xr[j]);
+            x[2 * j] = v.x, x[2 * j + 1] = v.y;
+        }
+#pragma unroll
+        for (int h = 0; h < MAX_HEADS; ++h) {
+            if (h >= p.heads) break;
+            const float d = p.dz[(int64_t)t * p.heads + h];
+#pragma unroll
+            for (int j = 0; j < GW; ++j) acc[h][j] += d * x[j];
+        }
+        if (with_lambda) lam += p.dlam_rows[t];
     }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, n_out = p.heads * GW + with_lambda;
+#pragma unroll
+    for (int h = 0; h < MAX_HEADS; ++h) {
+        if (h >= p.heads) break;
+#pragma unroll
+        for (int j = 0; j < GW; ++j) {
+            const float v = qkrope::warp_sum(acc[h][j]);
+            if (lane == 0) red[warp][h * GW + j] = v;
+        }
+    }
+    if (with_lambda) {
+        const float v = qkrope::warp_sum(lam);
+        if (lane == 0) red[warp][p.heads * GW] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < n_out) {
+        float s = 0.f;
+        for (int w = 0; w < 8; ++w) s += red[w][threadIdx.x];
+        p.partial[blockIdx.x * WG_OUT + threadIdx.x] = s;
+    }
+}
+
+__global__ void gate_weight_finish_kernel(const Params p, bool with_lambda, __nv_bfloat16* dw, float* dlambda) {
+    const int o = threadIdx.x, n_out = p.heads * GW + with_lambda;
+    if (o >= n_out) return;
+    float s = 0.f;
+    for (int b = 0; b < WG_BLOCKS; ++b) s += p.partial[b * WG_OUT + o];
+    if (o == p.heads * GW) *dlambda += s;
+    else dw[o] = __float2bfloat16(__bfloat162float(dw[o]) + s);
 }
 
 }  // namespace gate
@@ -1735,7 +1870,8 @@ inline cudaError_t gate_forward(GateKind kind, const gate::Params& p, cudaStream
 }
 
 // Row gradients, then dx[:, :12] (the gate's input, ld_dx) += dz w, then dw and dlambda (smear,
-// skip) reduced over the tokens. p.dz and p.dlam_rows are workspaces of tokens x heads floats.
+// skip) reduced over the tokens. p.dz and p.dlam_rows are workspaces of tokens x heads floats,
+// p.partial one of gate::WG_BLOCKS * gate::WG_OUT floats.
 inline cudaError_t gate_backward(GateKind kind, const gate::Params& p, __nv_bfloat16* dx, int64_t ld_dx,
                                  __nv_bfloat16* dw, float* dlambda, cudaStream_t stream) {
     const bool per_head = kind == GateKind::ValueEmbedding || kind == GateKind::Output;
@@ -1748,7 +1884,9 @@ inline cudaError_t gate_backward(GateKind kind, const gate::Params& p, __nv_bflo
         case GateKind::Skip: gate::row_bwd_kernel<gate::SKIP><<<blocks, 256, 0, stream>>>(p); break;
     }
     gate::gate_input_grad_kernel<<<(unsigned)(((int64_t)p.tokens * gate::GW + 255) / 256), 256, 0, stream>>>(p, dx, ld_dx);
-    gate::gate_weight_grad_kernel<<<p.heads * gate::GW + (per_head ? 0 : 1), 256, 0, stream>>>(p, dw, dlambda);
+    if (p.heads > gate::MAX_HEADS) return cudaErrorInvalidValue;
+    gate::gate_weight_partial_kernel<<<gate::WG_BLOCKS, 256, 0, stream>>>(p, !per_head);
+    gate::gate_weight_finish_kernel<<<1, 128, 0, stream>>>(p, !per_head, dw, dlambda);
     return cudaGetLastError();
 }
 

@@ -133,30 +133,36 @@ static void profile_once(int T) {
 }
 
 // A whole optimizer step over the record-61 parameters: a NorMuon-only step and an Adam step, at
-// world size 1 and, under mpirun, at this world size over NCCL (each rank updates its shards).
-// The gradients are zero: the kernels do the same work on any values.
+// world size 1 and, under mpirun, at this world size over NCCL (each rank updates its shards),
+// with the parts of one more step. The gradients are zero: the kernels do the same work on any
+// values. "Hidden": the share of NCCL's busy time the compute stream did not wait for.
 static void bench_optimizer(int world, int rank, ncclComm_t comm) {
     Hyperparameters args;
     Gemms gemms;
     auto run = [&](int w, int r, ncclComm_t c) {
         ParamStore params(w, 0);
         NorMuonAndAdam opt(params, gemms, args, w, r, c);
-        float t[2];
-        for (int adam = 0; adam < 2; ++adam)
-            t[adam] = time_ms([&] {
+        for (int adam = 0; adam < 2; ++adam) {
+            const float t = time_ms([&] {
                 opt.step(1.0, 0.95, adam == 1, 0);
                 if (w > 1) CUDA_CHECK(cudaStreamSynchronize(0));
             }, 10);
-        return std::pair{t[0], t[1]};
+            // one more step, timed by parts
+            opt.profile(true);
+            opt.step(1.0, 0.95, adam == 1, 0);
+            CUDA_CHECK(cudaDeviceSynchronize());
+            const NorMuonAndAdam::Profile p = opt.profile_ms();
+            opt.profile(false);
+            if (r == 0)
+                printf("  world size %d, %-19s %6.2f ms: NorMuon %5.2f, Adam %5.2f, transposes %5.2f, waits for NCCL "
+                       "%5.2f; NCCL busy %5.2f ms (%.0f%% of it hidden)\n", w, adam ? "Adam + NorMuon step" : "NorMuon-only step",
+                       t, p.normuon_ms, p.adam_ms, p.transpose_ms, p.wait_ms, p.comm_ms,
+                       p.comm_ms > 0 ? 100.0 * std::max(0.f, 1.f - p.wait_ms / p.comm_ms) : 0.0);
+        }
     };
-    auto [m1, a1] = run(1, 0, nullptr);
-    if (rank == 0) printf("\nOptimizer step (all parameters)\n  world size 1: NorMuon-only step %7.2f ms, Adam + NorMuon step %7.2f ms\n", m1, a1);
-    if (world > 1) {
-        auto [mw, aw] = run(world, rank, comm);
-        if (rank == 0)
-            printf("  world size %d: NorMuon-only step %7.2f ms, Adam + NorMuon step %7.2f ms (each rank updates 1/%d; "
-                   "communication included)\n", world, mw, aw, world);
-    }
+    if (rank == 0) printf("\nOptimizer step (all parameters; each rank updates 1/world of the sharded ones)\n");
+    run(1, 0, nullptr);
+    if (world > 1) run(world, rank, comm);
 }
 
 int main(int argc, char** argv) {

@@ -332,32 +332,50 @@ static void ce_case(const char* name, int rows, int vocab, std::vector<float> w,
             grad_ref[(size_t)r * vocab + c] = gscale * dz * z[c] * (1 - z[c] / A) / C;
         }
     }
-    DeviceArray<uint16_t> dl(logits), dg((size_t)rows * ld);
+    // the gradient as the model's fp8 backward takes it: rounded to bf16, / grad_s, e5m2
+    const float grad_s = 0.75f / 448, inv_s = 1.f / grad_s;
+    const int64_t ld8 = (vocab + 15) / 16 * 16 + 16, ld8t = rows + 16;  // strides other than the widths
+    DeviceArray<uint16_t> dl(logits);
     DeviceArray<int> dt(targets);
-    DeviceArray<float> dloss(rows);
-    dg.poison();
-    dloss.poison();
+    DeviceArray<float> dloss(rows), dlse(rows);
+    DeviceArray<uint8_t> g8((size_t)rows * ld8), g8t((size_t)vocab * ld8t);
+    dloss.poison(), dlse.poison();
+    CUDA_CHECK(cudaMemset(g8.ptr, 0x7f, g8.n));  // NaN in e5m2
+    CUDA_CHECK(cudaMemset(g8t.ptr, 0x7f, g8t.n));
     ce::Params p{};
     p.logits = reinterpret_cast<const __nv_bfloat16*>(dl.ptr), p.ld = ld, p.targets = dt.ptr;
     p.rows = rows, p.target_rows = rows, p.vocab = vocab, p.n_predict = (int)w.size();
     for (size_t k = 0; k < w.size(); ++k) p.w[k] = w[k];
     p.a = (float)A, p.b = (float)B, p.c = (float)C, p.losses = dloss.ptr;
-    p.grad = train ? reinterpret_cast<__nv_bfloat16*>(dg.ptr) : nullptr, p.ld_grad = ld, p.grad_scale = (float)gscale;
+    p.lse = train ? dlse.ptr : nullptr, p.grad_scale = (float)gscale;
     CUDA_CHECK(softcapped_cross_entropy(p, 0));
+    if (train) CUDA_CHECK(softcapped_ce_grad_fp8(p, g8.ptr, ld8, g8t.ptr, ld8t, grad_s, 0));
     CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<float> lo = dloss.download();
     std::vector<double> loss(lo.begin(), lo.end());
     double e_loss = rel_err_d(loss, loss_ref), e_grad = 0;
+    int64_t off_by_one = 0, wrong = 0, not_transposed = 0;
     if (train) {
-        std::vector<uint16_t> gg = dg.download();
+        std::vector<uint8_t> h8 = g8.download(), h8t = g8t.download();
         std::vector<double> grad((size_t)rows * vocab);
         for (int r = 0; r < rows; ++r)
-            for (int c = 0; c < vocab; ++c) grad[(size_t)r * vocab + c] = bf16_to_float(gg[(size_t)r * ld + c]);
+            for (int c = 0; c < vocab; ++c) {
+                const uint8_t got = h8[(size_t)r * ld8 + c];
+                const uint8_t want = (uint8_t)__nv_cvt_float_to_fp8(
+                    bf16_to_float(float_to_bf16((float)grad_ref[(size_t)r * vocab + c])) * inv_s, __NV_SATFINITE, __NV_E5M2);
+                // the fp32 gradient may round to a neighbouring bf16, so to a neighbouring e5m2 value
+                if (got != want) ++((got ^ want) == 0x80 || std::abs((int)(got & 0x7f) - (int)(want & 0x7f)) > 1 ? wrong : off_by_one);
+                not_transposed += got != h8t[(size_t)c * ld8t + r];
+                __half_raw hr = __nv_cvt_fp8_to_halfraw(got, __NV_E5M2);
+                grad[(size_t)r * vocab + c] = (double)__half2float(__half(hr)) * grad_s;
+            }
         e_grad = rel_err_d(grad, grad_ref);
     }
-    printf("  cross-entropy %-28s rows %4d vocab %6d  rel err: loss %.1e grad %.1e\n", name, rows, vocab, e_loss, e_grad);
-    CHECK(e_loss < 1e-5 && e_grad < 1e-2, "%s: cross-entropy differs from the fp64 reference (loss %.2e grad %.2e)",
-          name, e_loss, e_grad);
+    printf("  cross-entropy %-28s rows %4d vocab %6d  rel err: loss %.1e fp8 grad %.1e (e5m2 values off by one step: %lld)\n",
+           name, rows, vocab, e_loss, e_grad, (long long)off_by_one);
+    CHECK(e_loss < 1e-5 && e_grad < 0.1 && wrong == 0 && off_by_one * 1000 <= (int64_t)rows * vocab && not_transposed == 0,
+          "%s: cross-entropy differs from the fp64 reference (loss %.2e, fp8 grad %.2e, %lld values wrong, %lld off by "
+          "one, %lld not transposed)", name, e_loss, e_grad, (long long)wrong, (long long)off_by_one, (long long)not_transposed);
 }
 
 static void rmsnorm_case(int rows, int dim, uint64_t seed) {
@@ -546,14 +564,15 @@ static void qkrope_case(int T, bool paired, bool key_offset, uint64_t seed) {
     std::vector<uint16_t> qkv = random_bf16(rng, (size_t)T * ld, 1.5f);
     std::vector<uint16_t> dq = random_bf16(rng, (size_t)T * H * 128, 1.f), dk = random_bf16(rng, (size_t)T * H * 128, 1.f);
     qkrope::Params p{};
-    for (int i = 0; i < 32; ++i) p.freq[i] = (float)std::pow(1.0 / 1024, i / 31.0) * (i < 12 ? 0.43f : 1.f);
+    qkrope::Freqs freq;
+    for (int i = 0; i < 32; ++i) freq.f[i] = (float)std::pow(1.0 / 1024, i / 31.0) * (i < 12 ? 0.43f : 1.f);
     p.eps = 1.1920929e-07f, p.paired = paired, p.key_offset = key_offset, p.tokens = T, p.heads = H, p.ld = ld;
     p.ld_grad = ld;
     // reference
     std::vector<double> q_ref((size_t)T * H * 128), k_ref((size_t)T * H * 128), dqkv_ref((size_t)T * ld, 0.0);
     auto cs = [&](int pos, int i, double& c, double& s) {
         if (i >= 32) { c = 1, s = 0; return; }
-        float th = (float)pos * p.freq[i];
+        float th = (float)pos * freq.f[i];
         c = bf16_to_float(float_to_bf16((float)std::cos((double)th)));
         s = bf16_to_float(float_to_bf16((float)std::sin((double)th)));
     };
@@ -617,6 +636,9 @@ static void qkrope_case(int T, bool paired, bool key_offset, uint64_t seed) {
     auto bf = [](uint16_t* x) { return reinterpret_cast<__nv_bfloat16*>(x); };
     p.qkv = bf(dqkv_in.ptr), p.q = bf(dq_out.ptr), p.k = bf(dk_out.ptr), p.dq = bf(ddq.ptr), p.dk = bf(ddk.ptr);
     p.dqkv = bf(dqkv.ptr);
+    DeviceArray<__nv_bfloat162> table((size_t)2 * T * 32);
+    CUDA_CHECK(rope_table(freq, 2 * T, table.ptr, 0));
+    p.rope = table.ptr;
     CUDA_CHECK(qk_norm_rope_forward(p, 0));
     CUDA_CHECK(qk_norm_rope_backward(p, 0));
     CUDA_CHECK(cudaDeviceSynchronize());
@@ -958,7 +980,8 @@ static void gate_case(GateKind kind, int T, uint64_t seed) {
     p.tokens = T, p.heads = H, p.x = bf(dxg.ptr), p.ld_x = D, p.w = bf(dwg.ptr), p.lambda = lamg.ptr;
     p.a = bf(dag.ptr), p.ld_a = D, p.b = bf(dbg.ptr), p.ld_b = D, p.out = bf(outg.ptr), p.ld_out = D;
     p.dout = bf(doutg.ptr), p.ld_dout = D, p.da = bf(dag2.ptr), p.db = bf(dbg2.ptr), p.ld_da = D, p.ld_db = D;
-    p.dz = dzg.ptr, p.dlam_rows = dlr.ptr;
+    DeviceArray<float> partial((size_t)gate::WG_BLOCKS * gate::WG_OUT);
+    p.dz = dzg.ptr, p.dlam_rows = dlr.ptr, p.partial = partial.ptr;
     if (kind == GateKind::Smear) p.x = p.a;
     CUDA_CHECK(gate_backward(kind, p, kind == GateKind::Smear ? p.da : bf(dx0g.ptr), D, bf(dwgr.ptr), dlam.ptr, 0));
     CUDA_CHECK(gate_forward(kind, p, 0));  // after the backward: v and x are updated in place
@@ -1092,16 +1115,27 @@ static std::vector<OracleLine> oracle_lines(const std::string& out, const std::s
 // elsewhere (other kernels, accumulation orders); the margin covers errors the record does not
 // have (Adam parameters: its two runs compute them identically). A wrong block shows as O(1).
 constexpr double NOISE_FACTOR = 1.5, NOISE_MARGIN = 2e-3;
-static bool within_noise(const OracleLine& l) { return l.ours <= NOISE_FACTOR * l.record + NOISE_MARGIN; }
-// prints the lines as a table, three to a row, and checks each
+static bool within_noise(const OracleLine& l, double floor = 0) {
+    return l.ours <= NOISE_FACTOR * std::max(l.record, floor) + NOISE_MARGIN;
+}
+// prints the lines as a table, three to a row, and checks each. One draw of the record's error
+// understates the noise of a gradient that is a sum with heavy cancellation (x0_lambdas' record
+// error was 3.4e-2 in one run and 6.7e-3 in the next, from e5m2 roundings that fall elsewhere), so
+// each tensor's floor is at least the median of the record's errors over the whole parameters.
 static void check_oracle_lines(const char* what, const std::vector<OracleLine>& lines) {
-    printf("    %s, relative error vs the fp32 reference: ours / record (bf16 PyTorch)\n", what);
+    std::vector<double> whole;
+    for (const OracleLine& l : lines)
+        if (!l.slice()) whole.push_back(l.record);
+    std::sort(whole.begin(), whole.end());
+    const double floor = whole.empty() ? 0 : whole[whole.size() / 2];
+    printf("    %s, relative error vs the fp32 reference: ours / record (bf16 PyTorch); floor %.1e\n", what, floor);
     for (size_t i = 0; i < lines.size(); ++i)
         printf("%s%-17s %.1e / %.1e %-4s%s", i % 3 == 0 ? "      " : "  ", lines[i].label.c_str(), lines[i].ours,
-               lines[i].record, within_noise(lines[i]) ? "ok" : "FAIL", i % 3 == 2 || i + 1 == lines.size() ? "\n" : "");
+               lines[i].record, within_noise(lines[i], floor) ? "ok" : "FAIL",
+               i % 3 == 2 || i + 1 == lines.size() ? "\n" : "");
     for (const OracleLine& l : lines)
-        CHECK(within_noise(l), "%s %s: %.2e from the fp32 reference, above %.1f x the record's %.2e + %.0e", what,
-              l.label.c_str(), l.ours, NOISE_FACTOR, l.record, NOISE_MARGIN);
+        CHECK(within_noise(l, floor), "%s %s: %.2e from the fp32 reference, above %.1f x max(the record's %.2e, %.2e) + %.0e",
+              what, l.label.c_str(), l.ours, NOISE_FACTOR, l.record, floor, NOISE_MARGIN);
 }
 // the number of whole-parameter lines and of bank-slice lines
 static std::pair<size_t, size_t> count_lines(const std::vector<OracleLine>& lines) {
@@ -1355,9 +1389,9 @@ static void test_model_kernels() {
     qkrope_case(77, false, false, 25);
     qkrope_case(64, false, true, 26);
     qkrope_case(33, true, false, 27);
-    ce_case("train, 3 MTP weights", 37, 1000, {1.f, 0.5f, 0.125f}, true, 1);
-    ce_case("train, 2 MTP weights", 20, 50304, {1.f, 0.25f}, true, 2);
-    ce_case("train, 1 weight", 9, 4104, {1.f}, true, 3);
+    ce_case("train, 3 MTP weights", 48, 1000, {1.f, 0.5f, 0.125f}, true, 1);  // tiles cut in rows and columns
+    ce_case("train, 2 MTP weights", 80, 50304, {1.f, 0.25f}, true, 2);
+    ce_case("train, 1 weight", 16, 4104, {1.f}, true, 3);
     ce_case("evaluation", 33, 50304, {1.f}, false, 4);
     rmsnorm_case(37, 768, 5);
     rmsnorm_case(1001, 768, 6);
