@@ -153,7 +153,7 @@ static void bench_optimizer(int world, int rank, ncclComm_t comm) {
             CUDA_CHECK(cudaDeviceSynchronize());
             const NorMuonAndAdam::Profile p = opt.profile_ms();
             opt.profile(false);
-            if (r == 0)
+            if (rank == 0)
                 printf("  world size %d, %-19s %6.2f ms: NorMuon %5.2f, Adam %5.2f, transposes %5.2f, waits for NCCL "
                        "%5.2f; NCCL busy %5.2f ms (%.0f%% of it hidden)\n", w, adam ? "Adam + NorMuon step" : "NorMuon-only step",
                        t, p.normuon_ms, p.adam_ms, p.transpose_ms, p.wait_ms, p.comm_ms,

@@ -5,8 +5,9 @@
 //   floor  world size 1, the same micro-batches in reverse order: a run that differs from ref only
 //          by rounding, so its distance from ref is the noise a correct split may show
 //   split  world size N over NCCL, rank r taking micro-batches r*8/N .. (r+1)*8/N - 1
-// Every parameter of split must be as close to ref as floor is (ours <= 1.5 x floor + 2e-3, of
-// the weight change), and bit-identical on every rank (the all-gathers). Without enough GPUs (one
+// Every parameter of split must be as close to ref as floor is (split <= 1.5 x floor + 2e-3, of
+// the weight change, floor at least the median over the parameters), and bit-identical on every
+// rank (the all-gathers). Without enough GPUs (one
 // per rank) it skips with a message.
 
 #define TRAIN_GPT_NO_MAIN
@@ -171,19 +172,34 @@ int main(int argc, char** argv) {
         const Weights ref = train(1, 0, nullptr, batches, order, &init);
         const Weights floor = train(1, 0, nullptr, batches, reversed);
         const Weights split = train(world, rank, comm, batches, order);
-        if (rank == 0) printf("world size %d vs 1, 4 steps (untie after step 1): weight change rel err\n", world);
+        // one reordered run is one draw of the noise: for a small tensor (a gate bank, 360 values
+        // under Adam) it varies 2x from run to run, so each floor is at least the median floor
+        struct Err { double split, floor, moved; };
+        std::map<std::string, Err> errs;
+        std::vector<double> floors;
         for (const auto& [label, r] : ref) {
             const std::vector<float>& sp = split.at(label);
             const size_t n = std::min(r.size(), sp.size());  // the scalars' padding depends on the world size
             const double moved = distance(r, init.at(label), n);
-            const double e_split = distance(sp, r, n) / std::max(moved, 1e-30);
-            const double e_floor = distance(floor.at(label), r, n) / std::max(moved, 1e-30);
-            if (rank == 0) printf("  %-15s split %.1e  floor %.1e  (moved %.3g)\n", label.c_str(), e_split, e_floor, moved);
-            CHECK(moved > 0 && e_split <= 1.5 * e_floor + 2e-3,
-                  "%s: world size %d differs from world size 1 by %.2e (order noise %.2e)", label.c_str(), world, e_split,
-                  e_floor);
+            errs[label] = {distance(sp, r, n) / std::max(moved, 1e-30),
+                           distance(floor.at(label), r, n) / std::max(moved, 1e-30), moved};
+            floors.push_back(errs[label].floor);
+        }
+        std::sort(floors.begin(), floors.end());
+        const double median = floors[floors.size() / 2];
+        if (rank == 0)
+            printf("world size %d vs 1, 4 steps (untie after step 1): weight change rel err; median floor %.1e\n", world,
+                   median);
+        for (const auto& [label, e] : errs) {
+            const double limit = 1.5 * std::max(e.floor, median) + 2e-3;
+            if (rank == 0)
+                printf("  %-15s split %.1e  floor %.1e  (moved %.3g)%s\n", label.c_str(), e.split, e.floor, e.moved,
+                       e.split <= limit ? "" : "  FAIL");
+            CHECK(e.moved > 0 && e.split <= limit,
+                  "%s: world size %d differs from world size 1 by %.2e (order noise %.2e, median %.2e)", label.c_str(),
+                  world, e.split, e.floor, median);
             // every rank holds the same weights after the all-gathers
-            uint64_t h = fnv1a(sp), h0 = h;
+            uint64_t h = fnv1a(split.at(label)), h0 = h;
             MPI_CHECK(MPI_Bcast(&h0, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD));
             CHECK(h == h0, "%s: rank %d's weights differ from rank 0's", label.c_str(), rank);
         }
