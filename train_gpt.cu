@@ -6,7 +6,7 @@
 // triton_kernels.cu (named after the record's triton_kernels.py so the two map one to one).
 //
 // Reads top to bottom like the record: hyperparameters, helpers (errors, flags), GEMMs and fp8
-// ops, optimizer, (model), data, training manager (schedules), logging, main. Both sources are
+// ops, optimizer, model, data, training manager (schedules), logging, main. Both sources are
 // embedded in the binary at build time and written at the top of every log, so a log always holds
 // the code that ran.
 
