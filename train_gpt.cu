@@ -1226,6 +1226,31 @@ class NorMuonAndAdam {
 
     bool split() const { return split_; }
 
+    // This rank's state, for tests: Adam's moments m and v; NorMuon's momentum buffer, second
+    // moment and the low 16 bits of its fp32 weights (mant, uint16).
+    struct StateView {
+        std::string label, kind;
+        const void* data;
+        int64_t n;
+    };
+    std::vector<StateView> state_views() const {
+        std::vector<StateView> out;
+        for (const State& st : states_) {
+            const ParamConfig& c = st.cfg;
+            const int64_t n = c.chunk_numel();
+            if (c.optim == Optim::Adam) {
+                out.push_back({c.label, "m", st.m, n});
+                out.push_back({c.label, "v", st.v, n});
+            } else {
+                const auto& sh = c.second_moment_shape;
+                out.push_back({c.label, "buf", st.buf, n});
+                out.push_back({c.label, "sm", st.sm, sh[0] * sh[1] * sh[2]});
+                out.push_back({c.label, "mant", st.mant, n});
+            }
+        }
+        return out;
+    }
+
     // Where a step's time goes (for `make bench`), from the steps taken while profiling: NorMuon's
     // updates (momentum, Polar Express, variance, apply), Adam's, the tied embedding's transposes,
     // the compute stream's waits for NCCL, and NCCL's own time on its stream.

@@ -8,7 +8,10 @@ does ("record") and with Polar Express in fp32 ("ref", everything else identical
 bf16 makes a few % of noise in the banks' updates, so the trainer is measured against the fp32
 reference: "param <label> <ours> <record>" holds the error of the trainer's (ours) and of the
 record's weight change, relative to the reference's weight change, for every parameter and for
-each layer's matrices of the banks ("attn[i]": bank row i, "mlp[i].fc", "mlp[i].proj").
+each layer's matrices of the banks ("attn[i]": bank row i, "mlp[i].fc", "mlp[i].proj"), and
+"state <label>.<kind> <ours> <record>" the same for the state the steps leave (state.txt lists it:
+Adam's m and v, NorMuon's momentum buffer and second moment, relative to the reference's, and its
+fp32 weights, "shadow", relative to their change).
 
     python3 tests/optimizer_oracle.py DIR
 """
@@ -61,7 +64,7 @@ def polar_express(G, dtype):
 
 
 def run(d, meta, start, polar_dtype):
-    """The steps of steps.txt from the weights start; returns the final weights."""
+    """The steps of steps.txt from the weights start; returns the final weights and the state."""
     P = dict(start)  # entries are replaced, never written in place
     steps = [line.split() for line in open(f"{d}/steps.txt")]  # step lr_mult momentum untie
     adam_lr, adam_eps, adam_wd = 0.008, 1e-10, 0.005
@@ -138,7 +141,15 @@ def run(d, meta, start, polar_dtype):
             state["embed"]["v"] = state["lm_head"]["v"].T.contiguous()
             state["embed"]["t"] = state["lm_head"]["t"]
             split = True
-    return P
+    return P, state
+
+
+def state_tensor(P, state, label, kind):
+    """A state tensor as the trainer writes it: m, v, buf, sm, or shadow (the fp32 weights)."""
+    if kind != "shadow":
+        return state[label][kind].float()
+    bits = ((P[label].view(RESHAPE[label]).view(torch.int16).to(torch.int64) & 0xFFFF) << 16) | state[label]["mant"]
+    return bits.to(torch.int32).view(torch.float32)
 
 
 def pieces(label, t):
@@ -157,14 +168,23 @@ def main():
     d = sys.argv[1]
     meta = [line.split() for line in open(f"{d}/params.txt")]
     start = {l: load_tensor(f"{d}/init_{l}.bin", t, tuple(int(x) for x in dims)) for l, t, *dims in meta}
-    record = run(d, meta, start, torch.bfloat16)
-    ref = run(d, meta, start, torch.float32)
+    record, record_state = run(d, meta, start, torch.bfloat16)
+    ref, ref_state = run(d, meta, start, torch.float32)
     for l, t, *dims in meta:
         theirs = load_tensor(f"{d}/final_{l}.bin", t, tuple(int(x) for x in dims))
         sliced = zip(*(pieces(l, x.float()) for x in (theirs, record[l], ref[l], start[l])))
         for (name, ours), (_, rec), (_, r), (_, s0) in sliced:
             change = (r - s0).norm().clamp_min(1e-30)
             print(f"param {name} {((ours - r).norm() / change).item()!r} {((rec - r).norm() / change).item()!r}")
+    # the state: relative to the reference's state, the fp32 weights relative to their change
+    for line in open(f"{d}/state.txt"):
+        l, kind = line.split()
+        r = state_tensor(ref, ref_state, l, kind)
+        rec = state_tensor(record, record_state, l, kind)
+        ours = torch.from_numpy(np.fromfile(f"{d}/state_{l}_{kind}.bin", dtype=np.float32)).to(dev).view(r.shape)
+        scale = (r - start[l].float().view(r.shape)) if kind == "shadow" else r
+        scale = scale.norm().clamp_min(1e-30)
+        print(f"state {l}.{kind} {((ours - r).norm() / scale).item()!r} {((rec - r).norm() / scale).item()!r}")
 
 
 if __name__ == "__main__":

@@ -1354,6 +1354,29 @@ static void test_optimizer_step(const std::string& dir) {
     }
     fclose(sf);
     dump("final_", false);
+    // the state: Adam's moments, NorMuon's momentum and second moment as they are, and its fp32
+    // weights (the bf16 weights' bits above the 16 kept in mant) as "shadow"
+    FILE* stf = fopen((dir + "/state.txt").c_str(), "w");
+    for (const auto& sv : opt.state_views()) {
+        std::vector<float> h(sv.n);
+        if (sv.kind == "mant") {
+            std::vector<uint16_t> hi(sv.n), lo(sv.n);
+            CUDA_CHECK(cudaMemcpy(hi.data(), params[sv.label].data, sv.n * 2, cudaMemcpyDeviceToHost));
+            CUDA_CHECK(cudaMemcpy(lo.data(), sv.data, sv.n * 2, cudaMemcpyDeviceToHost));
+            for (int64_t i = 0; i < sv.n; ++i) {
+                const uint32_t bits = (uint32_t)hi[i] << 16 | lo[i];
+                memcpy(&h[i], &bits, 4);
+            }
+        } else {
+            CUDA_CHECK(cudaMemcpy(h.data(), sv.data, sv.n * 4, cudaMemcpyDeviceToHost));
+        }
+        const std::string kind = sv.kind == "mant" ? "shadow" : sv.kind;
+        FILE* f = fopen((dir + "/state_" + sv.label + "_" + kind + ".bin").c_str(), "wb");
+        fwrite(h.data(), 4, h.size(), f);
+        fclose(f);
+        fprintf(stf, "%s %s\n", sv.label.c_str(), kind.c_str());
+    }
+    fclose(stf);
     std::string out;
     const int rc = run_oracle("optimizer_oracle.py", dir, out);
     // the weight changes of every parameter and of each layer's bank matrices: attn[0..9], mlp[0..11].{fc,proj}
@@ -1363,6 +1386,11 @@ static void test_optimizer_step(const std::string& dir) {
     const auto [whole, slices] = count_lines(changes);
     CHECK(rc == 0 && whole == 13 && slices == 10 + 24, "the optimizer oracle compared %zu of 13 parameters and %zu of 34 "
           "slices: %s", whole, slices, out.c_str());
+    // and the state each step leaves: 11 Adam parameters x (m, v), 2 banks x (buf, sm, shadow)
+    const auto state = oracle_lines(out, "state");
+    check_oracle_lines("state", state);
+    CHECK(state.size() == 11 * 2 + 2 * 3, "the optimizer oracle compared %zu of 28 state tensors: %s", state.size(),
+          out.c_str());
 }
 
 static void test_optimizer_kernels() {
