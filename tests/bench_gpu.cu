@@ -7,6 +7,8 @@
 #define TRAIN_GPT_NO_MAIN
 #include "../train_gpt.cu"
 
+#include "testing.h"
+
 #include <cuda_profiler_api.h>
 #include <random>
 
@@ -48,21 +50,12 @@ struct DeviceBatch {
     int cu_len = 0;
     DeviceBatch(int T, std::mt19937_64& rng) {
         std::lognormal_distribution<double> len(std::log(450.0), 0.9);
-        std::vector<int> h(T + 1), c = {0};
-        for (int pos = 0; pos < T;) {
-            int L = std::min(T - pos, std::max(1, std::min(2048, (int)len(rng))));
-            h[pos] = BOS_ID;
-            for (int i = 1; i < L; ++i) h[pos + i] = (int)(rng() % BOS_ID);
-            pos += L;
-            c.push_back(pos);
-        }
-        h[T] = 0;
         cu_len = (int)next_multiple_of_n(T / 300, 128);
-        while ((int)c.size() < cu_len) c.push_back(T);
-        CUDA_CHECK(cudaMalloc(&tokens, h.size() * 4));
-        CUDA_CHECK(cudaMalloc(&cu, c.size() * 4));
-        CUDA_CHECK(cudaMemcpy(tokens, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
-        CUDA_CHECK(cudaMemcpy(cu, c.data(), c.size() * 4, cudaMemcpyHostToDevice));
+        const DocumentBatch b = document_batch(rng, len, T, cu_len);
+        CUDA_CHECK(cudaMalloc(&tokens, b.tokens.size() * 4));
+        CUDA_CHECK(cudaMalloc(&cu, b.cu.size() * 4));
+        CUDA_CHECK(cudaMemcpy(tokens, b.tokens.data(), b.tokens.size() * 4, cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemcpy(cu, b.cu.data(), b.cu.size() * 4, cudaMemcpyHostToDevice));
     }
     ~DeviceBatch() {
         CUDA_CHECK(cudaFree(tokens));

@@ -19,28 +19,12 @@
 
 constexpr int T = 8192, MICRO = 8, CU = 128;
 
-struct MicroBatch {
-    std::vector<int> tokens, cu;
-};
-
-// documents of FineWeb-like lengths, each starting with BOS, cu_seqlens padded as the loader pads them
-static std::vector<MicroBatch> make_batches(uint64_t seed) {
+// documents of FineWeb-like lengths
+static std::vector<DocumentBatch> make_batches(uint64_t seed) {
     std::mt19937_64 rng(seed);
     std::lognormal_distribution<double> len(std::log(300.0), 0.9);
-    std::vector<MicroBatch> batches(MICRO);
-    for (MicroBatch& b : batches) {
-        b.tokens.assign(T + 1, 0), b.cu = {0};
-        for (int pos = 0; pos < T;) {
-            int L = std::min(T - pos, std::max(2, std::min(2048, (int)len(rng))));
-            if ((int)b.cu.size() == CU - 1) L = T - pos;  // the last slot takes the rest
-            b.tokens[pos] = BOS_ID;
-            for (int i = 1; i < L; ++i) b.tokens[pos + i] = (int)(rng() % BOS_ID);
-            pos += L;
-            b.cu.push_back(pos);
-        }
-        b.tokens[T] = (int)(rng() % BOS_ID);
-        while ((int)b.cu.size() < CU) b.cu.push_back(T);
-    }
+    std::vector<DocumentBatch> batches;
+    for (int m = 0; m < MICRO; ++m) batches.push_back(document_batch(rng, len, T, CU));
     return batches;
 }
 
@@ -93,7 +77,7 @@ static Weights read_weights(ParamStore& params) {
 }
 
 // four steps at `world` ranks from the random weights; this rank takes its share of `order`
-static Weights train(int world, int rank, ncclComm_t comm, const std::vector<MicroBatch>& batches,
+static Weights train(int world, int rank, ncclComm_t comm, const std::vector<DocumentBatch>& batches,
                      const std::vector<int>& order, Weights* initial = nullptr) {
     Hyperparameters args;
     ParamStore params(world, 0);
@@ -118,7 +102,7 @@ static Weights train(int world, int rank, ncclComm_t comm, const std::vector<Mic
     const Step steps[] = {{0, 1.0, 0.85, false}, {1, 1.0, 0.88, true}, {2, 0.9, 0.9, false}, {3, 0.8, 0.92, false}};
     for (const Step& st : steps) {
         for (int m = rank * per_rank; m < (rank + 1) * per_rank; ++m) {
-            const MicroBatch& b = batches[order[m]];
+            const DocumentBatch& b = batches[order[m]];
             CUDA_CHECK(cudaMemcpyAsync(tokens, b.tokens.data(), b.tokens.size() * 4, cudaMemcpyHostToDevice, s));
             CUDA_CHECK(cudaMemcpyAsync(cu, b.cu.data(), b.cu.size() * 4, cudaMemcpyHostToDevice, s));
             model.forward(tokens, cu, CU, T, fa, s);
@@ -165,7 +149,7 @@ int main(int argc, char** argv) {
     CUDA_CHECK(cudaSetDevice(rank));
     ncclComm_t comm = nccl_init(rank, world);
     try {
-        const std::vector<MicroBatch> batches = make_batches(80);
+        const std::vector<DocumentBatch> batches = make_batches(80);
         std::vector<int> order(MICRO), reversed(MICRO);
         for (int i = 0; i < MICRO; ++i) order[i] = i, reversed[i] = MICRO - 1 - i;
         Weights init;

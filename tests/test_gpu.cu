@@ -1189,17 +1189,9 @@ static void test_model_forward(const std::string& dir) {
     }
     fclose(meta);
     // documents of FineWeb-like lengths, each starting with BOS; cu_seqlens padded as the loader pads them
-    std::vector<int> tokens(T + 1), cu = {0};
     std::lognormal_distribution<double> len(std::log(300.0), 0.9);
-    for (int pos = 0; pos < T;) {
-        int L = std::min(T - pos, std::max(2, std::min(2048, (int)len(rng))));
-        tokens[pos] = BOS_ID;
-        for (int i = 1; i < L; ++i) tokens[pos + i] = (int)(rng() % BOS_ID);
-        pos += L;
-        cu.push_back(pos);
-    }
-    tokens[T] = (int)(rng() % BOS_ID);
-    while (cu.size() < 128) cu.push_back(T);
+    const DocumentBatch batch = document_batch(rng, len, T, 128);
+    const std::vector<int>&tokens = batch.tokens, &cu = batch.cu;
     ForwardArgs fa;
     fa.mtp_weights = {1.f, 0.5f, 0.25f};
     fa.ws_short = 3, fa.ws_long = 7;

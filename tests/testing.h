@@ -73,3 +73,25 @@ static std::vector<uint16_t> make_tokens(std::mt19937_64& rng, int64_t n, double
     return t;
 }
 
+// One micro-batch as the model takes it: T + 1 token ids (documents of lengths from `len`, 2 to
+// 2048 tokens, each starting with BOS) and cu_seqlens padded with T to cu_len entries as the
+// loader pads them (the last entry before the padding takes what is left of T). The caller owns
+// the length distribution, so consecutive batches continue one stream of lengths.
+struct DocumentBatch {
+    std::vector<int> tokens, cu;
+};
+static DocumentBatch document_batch(std::mt19937_64& rng, std::lognormal_distribution<double>& len, int T, int cu_len) {
+    DocumentBatch b;
+    b.tokens.assign(T + 1, 0), b.cu = {0};
+    for (int pos = 0; pos < T;) {
+        int L = std::min(T - pos, std::max(2, std::min(2048, (int)len(rng))));
+        if ((int)b.cu.size() == cu_len - 1) L = T - pos;
+        b.tokens[pos] = BOS_ID;
+        for (int i = 1; i < L; ++i) b.tokens[pos + i] = (int)(rng() % BOS_ID);
+        pos += L;
+        b.cu.push_back(pos);
+    }
+    b.tokens[T] = (int)(rng() % BOS_ID);
+    while ((int)b.cu.size() < cu_len) b.cu.push_back(T);
+    return b;
+}
