@@ -2810,6 +2810,7 @@ static int trainer_main(int argc, char** argv) {
     CUDA_CHECK(cudaFree(d_cu));
     CUDA_CHECK(cudaStreamDestroy(stream));
     if (g_logfile) fclose(g_logfile);
+    CUDA_CHECK(cudaDeviceSynchronize());  // nothing of the optimizer's NCCL stream is in flight
     if (comm) NCCL_CHECK(ncclCommDestroy(comm));
     MPI_CHECK(MPI_Comm_free(&node_comm));
     MPI_CHECK(MPI_Finalize());
