@@ -457,7 +457,9 @@ static void validate_args(const Hyperparameters& a, int world_size) {
 
 // -----------------------------------------------------------------------------
 // GEMMs and fp8 ops, through cuBLASLt. Matrices are row-major, as in the Python record; each
-// shape's algorithm is picked once by cuBLASLt's heuristic and cached (no tuning at run time).
+// shape's algorithm is picked once, on its first call, and cached: the fastest of cuBLASLt's
+// heuristic candidates, timed on the call's own operands (the heuristic's first choice is often
+// not the fastest for the model's skinny weight-gradient shapes).
 
 // GPU time of marked stretches of a stream (for `make bench`): begin()/end() pairs record events,
 // total_ms() adds the spans up once the stream has run them. Off, it records nothing.
@@ -497,7 +499,10 @@ enum class Op { N, T };  // op(X) = X or X^T
 
 class Gemms {
    public:
-    explicit Gemms(size_t workspace_bytes = 64ull << 20) : workspace_bytes_(workspace_bytes) {
+    // autotune false: the heuristic's first choice, no timing (runs are then reproducible bit for bit
+    // across processes; tuned choices may differ between processes when two candidates tie)
+    explicit Gemms(bool autotune = true, size_t workspace_bytes = 64ull << 20)
+        : autotune_(autotune), workspace_bytes_(workspace_bytes) {
         CUBLAS_CHECK(cublasLtCreate(&lt_));
         CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
     }
@@ -542,6 +547,19 @@ class Gemms {
     }
 
     size_t cached_plans() const { return plans_.size(); }
+    // what tuning found: shapes timed, how many left the heuristic's first choice, and the time one
+    // call of each shape saves, summed
+    std::string tuning_report() const {
+        int tuned = 0, changed = 0;
+        double saved = 0;
+        for (const auto& [key, p] : plans_) {
+            tuned += p.tuned_ms_first > 0;
+            changed += p.tuned_ms_first > p.tuned_ms_best;
+            saved += p.tuned_ms_first - p.tuned_ms_best;
+        }
+        return strprintf("%d GEMM shapes tuned, %d faster than cuBLASLt's first choice (%.3f ms per call of each, summed)",
+                         tuned, changed, saved);
+    }
     // time every GEMM into timer (null: stop timing)
     void set_timer(StreamTimer* timer) { timer_ = timer; }
 
@@ -564,7 +582,9 @@ class Gemms {
     struct Plan {
         cublasLtMatmulDesc_t desc = nullptr;
         cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-        std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's, best first
+        std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's, best first; after tuning, the fastest first
+        bool tuned = false;
+        float tuned_ms_first = 0, tuned_ms_best = 0;  // the heuristic's first choice and the fastest
     };
 
     static int align(const void* p) {
@@ -636,8 +656,67 @@ class Gemms {
                          key.m, key.n, key.k, (long long)key.lda, (long long)key.ldb, (long long)key.ldc);
     }
 
-    // The heuristic's first choice, or (once, on the first call) the next candidate where a
-    // choice turns out not to run with these arguments.
+    // bytes from D's first element to its last (batches included)
+    static size_t extent_bytes(const Key& key) {
+        const size_t elem = key.tc == CUDA_R_32F ? 4 : 2;
+        return elem * ((size_t)(key.batch - 1) * key.stride_c + (size_t)(key.m - 1) * key.ldc + key.n);
+    }
+
+    // On a shape's first call: time each candidate on this call's operands (one warm-up run, then the
+    // best of three) and put the fastest first. A candidate that does not run here is dropped. Where
+    // the call accumulates into D (beta != 0, C == D), D is saved first and restored after.
+    void tune(cudaStream_t stream, const Key& key, Plan& p, const void* A, const void* B, const void* C, void* D,
+              float alpha, float beta) {
+        p.tuned = true;
+        if (!autotune_ || p.candidates.size() < 2) return;
+        void* saved = nullptr;
+        const size_t bytes = extent_bytes(key);
+        if (beta != 0.f && C == D) {
+            CUDA_CHECK(cudaMalloc(&saved, bytes));
+            CUDA_CHECK(cudaMemcpyAsync(saved, D, bytes, cudaMemcpyDeviceToDevice, stream));
+        }
+        cudaEvent_t ev[2];
+        for (cudaEvent_t& e : ev) CUDA_CHECK(cudaEventCreate(&e));
+        std::vector<std::pair<float, cublasLtMatmulAlgo_t>> timed;
+        for (size_t i = 0; i < p.candidates.size(); ++i) {
+            const cublasLtMatmulAlgo_t& algo = p.candidates[i];
+            auto call = [&] {
+                return cublasLtMatmul(lt_, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, D, p.c, &algo, workspace_,
+                                      workspace_bytes_, stream);
+            };
+            cublasStatus_t st = call();
+            if (st == CUBLAS_STATUS_NOT_SUPPORTED) continue;
+            if (st != CUBLAS_STATUS_SUCCESS)
+                fatal(strprintf("cublasLtMatmul failed for a %s: %s", describe(key).c_str(), cublasLtGetStatusString(st)));
+            float best = 1e30f;
+            for (int rep = 0; rep < 3; ++rep) {
+                CUDA_CHECK(cudaEventRecord(ev[0], stream));
+                CUBLAS_CHECK(call());
+                CUDA_CHECK(cudaEventRecord(ev[1], stream));
+                CUDA_CHECK(cudaEventSynchronize(ev[1]));
+                float ms;
+                CUDA_CHECK(cudaEventElapsedTime(&ms, ev[0], ev[1]));
+                best = std::min(best, ms);
+            }
+            if (i == 0) p.tuned_ms_first = best;
+            timed.push_back({best, algo});
+        }
+        for (cudaEvent_t e : ev) CUDA_CHECK(cudaEventDestroy(e));
+        if (saved) {
+            CUDA_CHECK(cudaMemcpyAsync(D, saved, bytes, cudaMemcpyDeviceToDevice, stream));
+            CUDA_CHECK(cudaStreamSynchronize(stream));
+            CUDA_CHECK(cudaFree(saved));
+        }
+        if (timed.empty()) fatal("no cuBLASLt algorithm runs a " + describe(key));
+        std::stable_sort(timed.begin(), timed.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+        if (p.tuned_ms_first == 0) p.tuned_ms_first = timed.front().first;  // the first choice did not run
+        p.tuned_ms_best = timed.front().first;
+        p.candidates.clear();
+        for (auto& [ms, algo] : timed) p.candidates.push_back(algo);
+    }
+
+    // The chosen algorithm, or (once, on the first call) the next candidate where a choice turns out
+    // not to run with these arguments.
     void run(cudaStream_t stream, const Key& key, const void* A, const void* B, const void* C, void* D, float alpha,
              float beta, const float* scale_a, const float* scale_b) {
         Plan& p = plan(key);
@@ -645,6 +724,7 @@ class Gemms {
             CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_b, sizeof scale_b));
             CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_a, sizeof scale_a));
         }
+        if (!p.tuned) tune(stream, key, p, A, B, C, D, alpha, beta);
         if (timer_) timer_->begin(stream);
         while (true) {
             cublasStatus_t st = cublasLtMatmul(lt_, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, D, p.c,
@@ -659,6 +739,7 @@ class Gemms {
         }
     }
 
+    const bool autotune_;
     cublasLtHandle_t lt_ = nullptr;
     StreamTimer* timer_ = nullptr;
     void* workspace_ = nullptr;
@@ -1429,17 +1510,19 @@ class Model {
         emb_ = bf(TE * D), xs_ = bf(TE * D), x0_ = bf(TE * D), x_last_ = bf(TE * D), x_back_ = bf(TE * D), xn_ = bf(TE * D);
         rstd0_ = alloc<float>(TE), rstd_f_ = alloc<float>(TE);
         for (auto& v : ve_) v = bf(TE * D);
-        auto make_layer = [&](Layer& l, int64_t n, bool attention) {
+        // v: a buffer of its own only where the paired-head layout needs it contiguous; elsewhere
+        // attention reads it in place from the QKV projection
+        auto make_layer = [&](Layer& l, int64_t n, bool attention, bool own_v) {
             l.x_in = bf(n * D), l.x_mix = bf(n * D), l.x_attn = bf(n * D), l.xn_m = bf(n * D);
             l.pre = bf(n * 4 * D), l.post = bf(n * 4 * D);
             l.rstd_a = alloc<float>(n), l.rstd_m = alloc<float>(n);
             if (!attention) return;
-            l.xn_a = bf(n * D), l.qkv = bf(n * 3 * D), l.q = bf(n * D), l.k = bf(n * D), l.v = bf(n * D);
+            l.xn_a = bf(n * D), l.qkv = bf(n * 3 * D), l.q = bf(n * D), l.k = bf(n * D), l.v = own_v ? bf(n * D) : nullptr;
             l.y = bf(n * D), l.yg = bf(n * D), l.lse = alloc<float>(NUM_HEADS * n);
         };
-        for (int i = 0; i < NUM_LAYERS; ++i) make_layer(layers_[i], T, has_attention(i));
+        for (int i = 0; i < NUM_LAYERS; ++i) make_layer(layers_[i], T, has_attention(i), paired_head(i));
         if (max_eval_tokens > 0) {
-            for (Layer& l : eval_) make_layer(l, max_eval_tokens, true);
+            for (Layer& l : eval_) make_layer(l, max_eval_tokens, true, true);
             eval_skip_ = bf((int64_t)max_eval_tokens * D), eval_back_ = bf((int64_t)max_eval_tokens * D);
         }
         wqkv_ = bf(3 * D * D), wo_ = bf(D * D);
@@ -1453,7 +1536,7 @@ class Model {
         lm_grad_ = alloc<float>(V * D);
         losses_ = alloc<float>(TE), lse_ = alloc<float>(LOGIT_ROWS), loss_ = alloc<float>(1), bad_ = alloc<int>(1);
         // backward workspaces
-        dx_ = bf(T * D), dtmp_ = bf(T * D), dx0_ = bf(T * D), dskip_ = bf(T * D), dback_ = bf(T * D), dxn_ = bf(T * D);
+        dx_ = bf(T * D), dx0_ = bf(T * D), dskip_ = bf(T * D), dback_ = bf(T * D), dxn_ = bf(T * D);
         dy_ = bf(T * D), dyg_ = bf(T * D), dq_ = bf(T * D), dk_ = bf(T * D), dv_ = bf(T * D), dqkv_ = bf(T * 3 * D);
         dpost_ = bf(T * 4 * D), dpre_ = bf(T * 4 * D), dxn_head_ = bf(T * D), demb_ = bf(T * D);
         for (auto& v : dve_) v = bf(T * D);
@@ -1557,8 +1640,7 @@ class Model {
             CUDA_CHECK(relu_square_backward(l.pre, dpost_, dpre_, (int64_t)T * 4 * D, s));
             gemms_.bf16(s, Op::T, Op::N, 4 * D, D, T, dpre_, 4 * D, l.xn_m, D, c_fc_grad(i), D, false, 1.f, 1.f);
             gemms_.bf16(s, Op::N, Op::N, T, D, 4 * D, dpre_, 4 * D, c_fc(i), D, dxn_, D, false);
-            CUDA_CHECK(rms_norm_backward(l.x_attn, D, dxn_, D, l.rstd_m, dtmp_, D, T, D, s));
-            CUDA_CHECK(combine(dx_, dx_, dtmp_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
+            CUDA_CHECK(rms_norm_backward(l.x_attn, D, dxn_, D, l.rstd_m, dx_, D, T, D, s, true));
             if (has_attention(i)) attention_backward_block(i, s);
             // mixing: x_mix = resid x_in + x0_lambda x0
             CUDA_CHECK(combine_backward(dx_, l.x_in, x0_, dx_, false, dx0_, TD, {scalars + SCALAR_RESID + i, 1.f, 0.f},
@@ -1642,19 +1724,31 @@ class Model {
         g.ld_a = g.ld_b = g.ld_out = g.ld_dout = g.ld_da = g.ld_db = MODEL_DIM;
         return g;
     }
+    // layer i's v as attention reads it (stride: between positions): in the QKV projection, or for
+    // the paired-head layout (positions of half rows) its own contiguous copy; its gradient likewise
+    __nv_bfloat16* value(int i, int64_t& stride) {
+        Layer& l = layer(i);
+        stride = paired_head(i) ? MODEL_DIM / 2 : 3 * MODEL_DIM;
+        return paired_head(i) ? l.v : l.qkv + 2 * MODEL_DIM;
+    }
+    __nv_bfloat16* value_grad(int i, int64_t& stride) {
+        stride = paired_head(i) ? MODEL_DIM / 2 : 3 * MODEL_DIM;
+        return paired_head(i) ? dv_ : dqkv_ + 2 * MODEL_DIM;
+    }
     attn::Params attn_params(int i) {
         Layer& l = layer(i);
         const bool paired = paired_head(i);
         const int64_t stride = paired ? MODEL_DIM / 2 : MODEL_DIM;
         attn::Params ap{};
-        ap.q = l.q, ap.k = l.k, ap.v = l.v, ap.q_stride = ap.k_stride = ap.v_stride = stride;
+        ap.q = l.q, ap.k = l.k, ap.q_stride = ap.k_stride = stride;
+        ap.v = value(i, ap.v_stride);
         ap.o = l.y, ap.o_stride = stride, ap.lse = l.lse;
         ap.cu_seqlens = cu_, ap.cu_len = cu_len_, ap.cu_mult = paired ? 2 : 1;
         ap.positions = paired ? 2 * T_ : T_, ap.heads = paired ? NUM_HEADS / 2 : NUM_HEADS;
         ap.window = (int)((long_window(i) ? fa_.ws_long : fa_.ws_short) * args_.block_size);
         ap.scale = (float)fa_.yarn.attn_scale, ap.tiles = tiles_;
-        ap.dout = dy_, ap.dout_stride = stride, ap.dq = dq_, ap.dk = dk_, ap.dv = dv_;
-        ap.dq_stride = ap.dk_stride = ap.dv_stride = stride, ap.delta = delta_;
+        ap.dout = dy_, ap.dout_stride = stride, ap.dq = dq_, ap.dk = dk_, ap.dq_stride = ap.dk_stride = stride;
+        ap.dv = value_grad(i, ap.dv_stride), ap.delta = delta_;
         return ap;
     }
     qkrope::Params rope_params(int i) {
@@ -1678,10 +1772,12 @@ class Model {
         CUDA_CHECK(scale_weight(wqkv_, attn_w(i), 3 * D * D, scalars + SCALAR_SA + 2 * i, s));
         gemms_.bf16(s, Op::N, Op::T, T, 3 * D, D, l.xn_a, D, wqkv_, D, l.qkv, 3 * D, false);
         CUDA_CHECK(qk_norm_rope_forward(rope_params(i), s));
-        CUDA_CHECK(cudaMemcpy2DAsync(l.v, D * 2, l.qkv + 2 * D, 3 * D * 2, D * 2, T, cudaMemcpyDeviceToDevice, s));
+        int64_t v_ld;
+        __nv_bfloat16* v = value(i, v_ld);
+        if (v == l.v) CUDA_CHECK(cudaMemcpy2DAsync(l.v, D * 2, l.qkv + 2 * D, 3 * D * 2, D * 2, T, cudaMemcpyDeviceToDevice, s));
         if (ve_slot(i) >= 0) {
             gate::Params vg = head_gate(i, bf(p_["ve_gate_bank"].data) + ve_gate_index(i) * NUM_HEADS * gate::GW);
-            vg.a = l.v, vg.b = ve_[ve_slot(i)];
+            vg.a = v, vg.ld_a = paired_head(i) ? D : v_ld, vg.b = ve_[ve_slot(i)];
             CUDA_CHECK(gate_forward(GateKind::ValueEmbedding, vg, s));
         }
         if (profiling_) attn_timer_.begin(s);
@@ -1720,23 +1816,25 @@ class Model {
         CUDA_CHECK(attention_backward(ap, s));
         if (profiling_) attn_timer_.end(s);
         // value-embedding gate: v passes through; dve and the gate's input gradient
+        int64_t dv_ld;
+        const __nv_bfloat16* dv = value_grad(i, dv_ld);
         if (ve_slot(i) >= 0) {
             gate::Params vg = head_gate(i, bf(p_["ve_gate_bank"].data) + ve_gate_index(i) * NUM_HEADS * gate::GW);
-            vg.b = ve_[ve_slot(i)], vg.dout = dv_, vg.db = dve_[ve_slot(i)], vg.dz = dz_;
+            vg.b = ve_[ve_slot(i)], vg.dout = dv, vg.ld_dout = paired_head(i) ? D : dv_ld, vg.db = dve_[ve_slot(i)];
+            vg.dz = dz_;
             CUDA_CHECK(gate_backward(GateKind::ValueEmbedding, vg, dxn_, D,
                                      bf(p_["ve_gate_bank"].grad) + ve_gate_index(i) * NUM_HEADS * gate::GW, nullptr, s));
         }
         // dqkv: q, k through the rope and the QK norm; v copied back
         CUDA_CHECK(qk_norm_rope_backward(rope_params(i), s));
-        CUDA_CHECK(cudaMemcpy2DAsync(dqkv_ + 2 * D, 3 * D * 2, dv_, D * 2, D * 2, T, cudaMemcpyDeviceToDevice, s));
+        if (dv == dv_) CUDA_CHECK(cudaMemcpy2DAsync(dqkv_ + 2 * D, 3 * D * 2, dv_, D * 2, D * 2, T, cudaMemcpyDeviceToDevice, s));
         // QKV projection with W'qkv = sa0 Wqkv
         CUDA_CHECK(scale_weight(wqkv_, attn_w(i), 3 * D * D, scalars + SCALAR_SA + 2 * i, s));
         gemms_.bf16(s, Op::N, Op::N, T, D, 3 * D, dqkv_, 3 * D, wqkv_, D, dxn_, D, false, 1.f, 1.f);
         gemms_.bf16(s, Op::T, Op::N, 3 * D, D, T, dqkv_, 3 * D, l.xn_a, D, dw_, D, true);
         CUDA_CHECK(scale_weight_backward(dw_, attn_w(i), attn_grad(i), 3 * D * D, scalars + SCALAR_SA + 2 * i,
                                          gscalars + SCALAR_SA + 2 * i, partial_, s));
-        CUDA_CHECK(rms_norm_backward(l.x_mix, D, dxn_, D, l.rstd_a, dtmp_, D, T, D, s));
-        CUDA_CHECK(combine(dx_, dx_, dtmp_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
+        CUDA_CHECK(rms_norm_backward(l.x_mix, D, dxn_, D, l.rstd_a, dx_, D, T, D, s, true));
     }
 
     // lm_head (fp8 in training, @YouJiacheng; transposed weight, @ChrisJMcCormick) on norm(x) in
@@ -1812,7 +1910,7 @@ class Model {
     int* bad_;  // the first layer whose output was not finite, or -1
     int4* tiles_;
     uint8_t *xf8_, *xf8t_, *wf8t_, *wf8_, *gf8_, *gf8t_;
-    __nv_bfloat16 *dx_, *dtmp_, *dx0_, *dskip_, *dback_, *dxn_, *dy_, *dyg_, *dq_, *dk_, *dv_, *dqkv_, *dpost_, *dpre_,
+    __nv_bfloat16 *dx_, *dx0_, *dskip_, *dback_, *dxn_, *dy_, *dyg_, *dq_, *dk_, *dv_, *dqkv_, *dpost_, *dpre_,
         *dxn_head_, *demb_, *dve_[3];
     float *dw_, *delta_, *dz_, *dlam_rows_, *partial_, *gate_partial_;
     std::unique_ptr<EmbeddingBackward> embed_bwd_;
@@ -2756,6 +2854,7 @@ static int trainer_main(int argc, char** argv) {
             train_step(step, *train_loader);
         }
     }
+    print0(gemms.tuning_report(), true);
     print0("resetting the model", true);
     for (size_t i = 0; i < initial.size(); ++i) {
         Param& p = params.all()[i];

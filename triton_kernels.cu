@@ -766,7 +766,7 @@ __global__ void fwd_kernel(const __nv_bfloat16* x, int64_t ldx, __nv_bfloat16* y
     }
 }
 
-template <int DIM>
+template <int DIM, bool ACCUMULATE>
 __global__ void bwd_kernel(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* dy, int64_t lddy,
                            const float* rstd, __nv_bfloat16* dx, int64_t lddx, int rows) {
     constexpr int V = DIM / 256;
@@ -786,8 +786,10 @@ __global__ void bwd_kernel(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloa
     const float r = rstd[row], c = r * r * dot / DIM;
 #pragma unroll
     for (int v = 0; v < V; ++v) {
+        float acc[8];
+        if (ACCUMULATE) tk::load8(dx + row * lddx + (v * 32 + lane) * 8, acc);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) fg[v][e] = r * (fg[v][e] - fx[v][e] * c);
+        for (int e = 0; e < 8; ++e) fg[v][e] = (ACCUMULATE ? acc[e] : 0.f) + r * (fg[v][e] - fx[v][e] * c);
         tk::store8(dx + row * lddx + (v * 32 + lane) * 8, fg[v]);
     }
 }
@@ -805,14 +807,18 @@ inline cudaError_t rms_norm_forward(const __nv_bfloat16* x, int64_t ldx, __nv_bf
     return cudaGetLastError();
 }
 
+// accumulate: dx += the gradient (the residual stream's gradient takes the norm's branch in the
+// same pass, rounding once); else dx = it
 inline cudaError_t rms_norm_backward(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* dy, int64_t lddy,
                                      const float* rstd, __nv_bfloat16* dx, int64_t lddx, int rows, int dim,
-                                     cudaStream_t stream) {
+                                     cudaStream_t stream, bool accumulate = false) {
     const unsigned blocks = (unsigned)((rows + 7) / 8);
     if (rows <= 0) return cudaSuccess;
-    if (dim == 768) rmsnorm::bwd_kernel<768><<<blocks, 256, 0, stream>>>(x, ldx, dy, lddy, rstd, dx, lddx, rows);
-    else if (dim == 256) rmsnorm::bwd_kernel<256><<<blocks, 256, 0, stream>>>(x, ldx, dy, lddy, rstd, dx, lddx, rows);
+#define RMS_BWD(DIM, ACC) rmsnorm::bwd_kernel<DIM, ACC><<<blocks, 256, 0, stream>>>(x, ldx, dy, lddy, rstd, dx, lddx, rows)
+    if (dim == 768) accumulate ? RMS_BWD(768, true) : RMS_BWD(768, false);
+    else if (dim == 256) accumulate ? RMS_BWD(256, true) : RMS_BWD(256, false);
     else return cudaErrorInvalidValue;
+#undef RMS_BWD
     return cudaGetLastError();
 }
 
@@ -926,72 +932,112 @@ __global__ void cast_transpose_kernel(const __nv_bfloat16* src, int64_t lds, uin
 // backward GEMMs read: g8 (rows x vocab) for d norm(x) = g w^T and g8t (vocab x rows) for
 // d lm_head = x^T g (fp8 GEMMs take K-major operands only). One pass over the logits instead of a
 // bf16 gradient and two casts of it. Rounds through bf16 first, as the record's bf16 gradient does.
-// A 64-row x 128-column tile per CTA, transposed through shared memory.
+//
+// The pass is bound by the SFU (three exp/reciprocals per logit), so everything else is kept out of
+// the inner loop: the row's constants fold into one exponent offset, d = 2^(z log2e - off) with
+// off = lse log2e - log2(grad_scale wsum / c), and the targets' -w terms are applied only where a
+// thread's 8 columns hold a target. A CTA takes 64 rows and GT tiles of 128 columns; each thread
+// 4 rows x 8 columns, whose 4-row column slices go to shared memory as 32-bit words for the
+// transposed store. The next tile's logits are loaded before this tile's transposed store.
 namespace ce {
 
-constexpr int GR = 64, GC = 128, GPITCH = GR + 2;  // pitch 66: 2-way bank conflicts at most
+constexpr int GR = 64, GC = 128, GT = 4;  // rows, columns per tile; tiles per CTA along the vocabulary
+constexpr int GPITCH = GR + 4;            // bytes per column of the transposed tile (word-aligned)
 
-__global__ void __launch_bounds__(256) grad_fp8_kernel(const Params p, uint8_t* g8, int64_t ld8, uint8_t* g8t,
+// 2^x on the SFU (ex2.approx: 2 ulp; exp2f adds range fix-ups this pass does not need)
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ void load_logits(const Params& p, int r0, int col, uint4 raw[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        raw[i] = r0 + i < p.rows && col < p.vocab
+                     ? __ldcs(reinterpret_cast<const uint4*>(p.logits + (int64_t)(r0 + i) * p.ld + col))
+                     : make_uint4(0, 0, 0, 0);
+}
+
+__global__ void __launch_bounds__(256, 3) grad_fp8_kernel(const Params p, uint8_t* g8, int64_t ld8, uint8_t* g8t,
                                                        int64_t ld8t, float inv_grad_s) {
-    __shared__ uint8_t tile[GC * GPITCH];  // [col][row]
-    __shared__ float s_lse[GR], s_wsum[GR];
-    __shared__ int s_tgt[GR][MAX_PREDICT];
-    const int r0 = blockIdx.y * GR, c0 = blockIdx.x * GC, t = threadIdx.x;
-    if (t < GR) {
-        const int row = r0 + t;
+    __shared__ __align__(16) uint8_t tile[2][GC * GPITCH];  // [col][row], double-buffered
+    const int t = threadIdx.x, rg = t / 16, cg = t % 16;
+    const int r0 = blockIdx.y * GR + rg * 4;  // this thread's first row
+    const float L2E = 1.4426950408889634f;
+    const float K = p.grad_scale / p.c, A1 = -L2E / p.c, B1 = -p.b * L2E / p.c, inv_a = 1.f / p.a;
+    float off[4];
+    int tgt[4][MAX_PREDICT];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int row = r0 + i;
         float wsum = 0.f;
 #pragma unroll
         for (int k = 0; k < MAX_PREDICT; ++k) {
             const bool on = row < p.rows && k < p.n_predict && row + k < p.target_rows;
-            s_tgt[t][k] = on ? p.targets[row + k] : -1;
+            tgt[i][k] = on ? p.targets[row + k] : -1;
             if (on) wsum += p.w[k];
         }
-        s_lse[t] = row < p.rows ? p.lse[row] : 0.f;
-        s_wsum[t] = wsum;
+        off[i] = row < p.rows && wsum > 0.f ? p.lse[row] * L2E - log2f(K * wsum) : INFINITY;  // 2^-inf = 0
     }
-    __syncthreads();
-    const float inv_c = 1.f / p.c, inv_a = 1.f / p.a, nic = -inv_c;
-    // 64 rows x 16 vectors of 8: four passes of 16 rows
+    const int cbase = blockIdx.x * GC * GT;
+    uint4 raw[4];
+    load_logits(p, r0, cbase + cg * 8, raw);
+#pragma unroll 1
+    for (int j = 0; j < GT; ++j) {
+        const int c0 = cbase + j * GC, col = c0 + cg * 8;
+        if (c0 >= p.vocab) break;  // the same for the whole CTA
+        uint32_t pk[4][4];         // [row][column pair]: two e5m2 values in the low 16 bits
 #pragma unroll
-    for (int pass = 0; pass < GR / 16; ++pass) {
-        const int r = pass * 16 + t / 16, c = (t % 16) * 8, row = r0 + r, col = c0 + c;
-        if (row >= p.rows || col >= p.vocab) continue;
-        float f[8];
-        tk::load8(p.logits + (int64_t)row * p.ld + col, f);
-        uint2 out;
-        uint8_t* o = reinterpret_cast<uint8_t*>(&out);
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+            float g[8], tz[8];
 #pragma unroll
-        for (int e = 0; e < 8; e += 2) {  // in pairs: the packed conversions halve their cost
-            float g[2];
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const float z = softcap(p, nic, f[e + q]);
-                float dz = s_wsum[r] * __expf(z - s_lse[r]);
-#pragma unroll
-                for (int k = 0; k < MAX_PREDICT; ++k)
-                    if (col + e + q == s_tgt[r][k]) dz -= p.w[k];
-                g[q] = p.grad_scale * dz * z * (1.f - z * inv_a) * inv_c;
+            for (int e = 0; e < 8; ++e) {
+                const float x = __uint_as_float(e % 2 ? w[e / 2] & 0xffff0000u : w[e / 2] << 16);
+                const float z = __fdividef(p.a, 1.f + fast_exp2(fmaf(x, A1, B1)));  // softcap
+                tz[e] = fmaf(-z * inv_a, z, z);                                 // z (1 - z/a): d softcap / c
+                g[e] = fast_exp2(fmaf(z, L2E, -off[i])) * tz[e];
             }
-            const float2 gb = __bfloat1622float2(__floats2bfloat162_rn(g[0], g[1]));
-            const __nv_fp8x2_storage_t v =
-                __nv_cvt_float2_to_fp8x2(make_float2(gb.x * inv_grad_s, gb.y * inv_grad_s), __NV_SATFINITE, __NV_E5M2);
-            o[e] = (uint8_t)(v & 0xff), o[e + 1] = (uint8_t)(v >> 8);
-            tile[(c + e) * GPITCH + r] = o[e];
-            tile[(c + e + 1) * GPITCH + r] = o[e + 1];
+            bool hit = false;
+#pragma unroll
+            for (int k = 0; k < MAX_PREDICT; ++k) hit |= (unsigned)(tgt[i][k] - col) < 8u;
+            if (hit) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+#pragma unroll
+                    for (int k = 0; k < MAX_PREDICT; ++k)
+                        if (col + e == tgt[i][k]) g[e] -= K * p.w[k] * tz[e];
+            }
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float2 gb = __bfloat1622float2(__floats2bfloat162_rn(g[2 * q], g[2 * q + 1]));
+                pk[i][q] = __nv_cvt_float2_to_fp8x2(make_float2(gb.x * inv_grad_s, gb.y * inv_grad_s), __NV_SATFINITE,
+                                                    __NV_E5M2);
+            }
+            if (r0 + i < p.rows && col < p.vocab)
+                *reinterpret_cast<uint2*>(g8 + (int64_t)(r0 + i) * ld8 + col) =
+                    make_uint2(pk[i][0] | pk[i][1] << 16, pk[i][2] | pk[i][3] << 16);
         }
-        *reinterpret_cast<uint2*>(g8 + (int64_t)row * ld8 + col) = out;
-    }
-    __syncthreads();
-    // transposed: 128 columns x 4 vectors of 16 rows: two passes of 64 columns
+        if (j + 1 < GT) load_logits(p, r0, col + GC, raw);
+        // each column's 4 rows as one word: [row0, row1, row2, row3]
+        uint8_t* buf = tile[j & 1];
 #pragma unroll
-    for (int pass = 0; pass < 2; ++pass) {
-        const int c = pass * 64 + t / 4, r = (t % 4) * 16;
-        if (c0 + c >= p.vocab || r0 + r >= p.rows) continue;
-        uint4 out;
-        uint8_t* o = reinterpret_cast<uint8_t*>(&out);
+        for (int q = 0; q < 4; ++q) {
+            const uint32_t lo01 = __byte_perm(pk[0][q], pk[1][q], 0x5140), lo23 = __byte_perm(pk[2][q], pk[3][q], 0x5140);
+            *reinterpret_cast<uint32_t*>(buf + (cg * 8 + 2 * q) * GPITCH + rg * 4) = __byte_perm(lo01, lo23, 0x5410);
+            *reinterpret_cast<uint32_t*>(buf + (cg * 8 + 2 * q + 1) * GPITCH + rg * 4) = __byte_perm(lo01, lo23, 0x7632);
+        }
+        __syncthreads();  // (double buffering: the next tile writes the other buffer)
+        // transposed: 128 columns x 4 vectors of 16 rows, two passes of 64 columns
+        const int rb = blockIdx.y * GR;
 #pragma unroll
-        for (int k = 0; k < 16; ++k) o[k] = tile[c * GPITCH + r + k];
-        *reinterpret_cast<uint4*>(g8t + (int64_t)(c0 + c) * ld8t + r0 + r) = out;
+        for (int pass = 0; pass < 2; ++pass) {
+            const int c = pass * 64 + t / 4, r = (t % 4) * 16;
+            if (c0 + c >= p.vocab || rb + r >= p.rows) continue;
+            const uint32_t* src = reinterpret_cast<const uint32_t*>(buf + c * GPITCH + r);
+            *reinterpret_cast<uint4*>(g8t + (int64_t)(c0 + c) * ld8t + rb + r) = make_uint4(src[0], src[1], src[2], src[3]);
+        }
     }
 }
 
@@ -1004,7 +1050,7 @@ inline cudaError_t softcapped_ce_grad_fp8(const ce::Params& p, uint8_t* g8, int6
     if (p.rows % 16 || p.vocab % 8 || p.ld % 8 || ld8 % 16 || ld8t % 16 || !p.lse || p.n_predict < 1 ||
         p.n_predict > ce::MAX_PREDICT)
         return cudaErrorInvalidValue;
-    dim3 grid((p.vocab + ce::GC - 1) / ce::GC, (p.rows + ce::GR - 1) / ce::GR);
+    dim3 grid((p.vocab + ce::GC * ce::GT - 1) / (ce::GC * ce::GT), (p.rows + ce::GR - 1) / ce::GR);
     ce::grad_fp8_kernel<<<grid, 256, 0, stream>>>(p, g8, ld8, g8t, ld8t, 1.f / grad_s);
     return cudaGetLastError();
 }
@@ -1037,7 +1083,7 @@ inline cudaError_t cast_to_fp8(const __nv_bfloat16* src, int64_t lds, void* dst,
 // (2i, 2i+1) by theta = pos * freq[i] with bf16-rounded cos/sin as the record's tables; dims 64-127
 // have frequency zero. pos is the token, or for the paired-head layers 2*token + (head & 1): the
 // record rotates head pairs (2j, 2j+1) as one 256-wide row with even/odd positions.
-// One warp per (token, head, q|k); lane l holds dims 4l..4l+3.
+// Half a warp per (token, head, q|k); thread j holds dims 8j..8j+7.
 
 namespace qkrope {
 
@@ -1054,27 +1100,6 @@ struct Params {
     __nv_bfloat16* dqkv;
     int64_t ld_grad;
 };
-
-__device__ __forceinline__ void load4(const __nv_bfloat16* p, float f[4]) {
-    uint2 u = *reinterpret_cast<const uint2*>(p);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-    float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
-    f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
-}
-__device__ __forceinline__ void store4(__nv_bfloat16* p, const float f[4]) {
-    uint2 u;
-    u.x = tk::pack_bf16(f[0], f[1]), u.y = tk::pack_bf16(f[2], f[3]);
-    *reinterpret_cast<uint2*>(p) = u;
-}
-// cos, sin of the rotation of pair i at position pos, from the table
-__device__ __forceinline__ void rot(const Params& p, int pos, int i, float& c, float& s) {
-    if (i >= 32) {
-        c = 1.f, s = 0.f;
-        return;
-    }
-    const float2 cs = __bfloat1622float2(p.rope[(int64_t)pos * 32 + i]);
-    c = cs.x, s = cs.y;
-}
 
 // The rotary table, rounded to bf16 like the record's cos/sin tables: theta = pos * freq[i] in
 // fp32, then accurate cos/sin (the arguments reach 1e5 radians: computed once per frequency change
@@ -1093,90 +1118,128 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
     return v;
 }
-__device__ __forceinline__ bool shifted_lane(int lane) { return (lane >= 8 && lane < 16) || lane >= 24; }
+// 4 bf16 values (8 bytes) to and from fp32
+__device__ __forceinline__ void load4(const __nv_bfloat16* p, float f[4]) {
+    uint2 u = *reinterpret_cast<const uint2*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+    float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
+    f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
+}
+__device__ __forceinline__ void store4(__nv_bfloat16* p, const float f[4]) {
+    uint2 u;
+    u.x = tk::pack_bf16(f[0], f[1]), u.y = tk::pack_bf16(f[2], f[3]);
+    *reinterpret_cast<uint2*>(p) = u;
+}
 
-// this warp's row: token t, head h, q or k; false past the last
+// 16 threads per row (token, head, q or k), 8 values each; a warp takes the q and k rows of one
+// (token, head), which share their rotary position. Lanes 0-7 hold the rotated dims 0-63 (pairs
+// 4j..4j+3: one 16-byte table read), lanes 8-15 the unrotated half.
+__device__ __forceinline__ float half_warp_sum(float v) {
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+// the key offset's dims (32-63 and 96-127) are lanes 4-7 and 12-15 of a row
+__device__ __forceinline__ bool shifted_part(int j) { return j & 4; }
+
+// this half-warp's row; false past the last (whole warps: the row count is even)
 struct Row {
     bool is_k;
-    int t, h, pos;    // pos: the rotary position
-    int64_t col;      // the row's first column in the QKV projection
-    int64_t out;      // its first element in q or k (tokens x heads x 128), this lane's part
+    int t, h, pos, j;  // pos: the rotary position; j: this thread's 8 values in the row
+    int64_t col;       // this thread's first column in the QKV projection
+    int64_t out;       // its first element in q or k (tokens x heads x 128)
 };
 __device__ __forceinline__ bool row_of(const Params& p, Row& r) {
-    const int64_t w = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (w >= (int64_t)p.tokens * p.heads * 2) return false;
-    r.is_k = w & 1;
-    r.t = (int)(w / 2 / p.heads), r.h = (int)(w / 2 % p.heads);
+    const int64_t hw = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 16;
+    if (hw >= (int64_t)p.tokens * p.heads * 2) return false;
+    r.is_k = hw & 1;
+    r.t = (int)(hw / 2 / p.heads), r.h = (int)(hw / 2 % p.heads);
     r.pos = p.paired ? 2 * r.t + (r.h & 1) : r.t;
-    r.col = (r.is_k ? p.heads * 128 : 0) + r.h * 128 + (threadIdx.x & 31) * 4;
-    r.out = ((int64_t)r.t * p.heads + r.h) * 128 + (threadIdx.x & 31) * 4;
+    r.j = threadIdx.x & 15;
+    r.col = (r.is_k ? p.heads * 128 : 0) + r.h * 128 + r.j * 8;
+    r.out = ((int64_t)r.t * p.heads + r.h) * 128 + r.j * 8;
     return true;
 }
-// 1 / rms of the 128-vector whose 4 values per lane are x
-__device__ __forceinline__ float inv_rms(const Params& p, const float x[4]) {
-    return rsqrtf(warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) / 128.f + p.eps);
+// cos, sin of this thread's 4 pairs (1, 0 past dim 64)
+__device__ __forceinline__ void rotations(const Params& p, const Row& w, float c[4], float s[4]) {
+    if (w.j >= 8) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) c[q] = 1.f, s[q] = 0.f;
+        return;
+    }
+    const uint4 raw = *reinterpret_cast<const uint4*>(p.rope + (int64_t)w.pos * 32 + w.j * 4);
+    const uint32_t u[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const float2 cs = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u[q]));
+        c[q] = cs.x, s[q] = cs.y;
+    }
+}
+// 1 / rms of the 128-vector whose 8 values per thread are x
+__device__ __forceinline__ float inv_rms(const Params& p, const float x[8]) {
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss += x[e] * x[e];
+    return rsqrtf(half_warp_sum(ss) / 128.f + p.eps);
 }
 
 __global__ void fwd_kernel(const Params p) {
     Row w;
     if (!row_of(p, w)) return;
-    const int lane = threadIdx.x & 31;
-    float x[4];
-    load4(p.qkv + w.t * p.ld + w.col, x);
+    float x[8], c[4], s[4], y[8];
+    tk::load8(p.qkv + w.t * p.ld + w.col, x);
+    rotations(p, w, c, s);
     const float r = inv_rms(p, x);
-    float y[4];
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        float c, s;
-        rot(p, w.pos, lane * 2 + j, c, s);
-        const float a = x[2 * j] * r, b = x[2 * j + 1] * r;
-        y[2 * j] = c * a + s * b;
-        y[2 * j + 1] = c * b - s * a;
+    for (int q = 0; q < 4; ++q) {
+        const float a = x[2 * q] * r, b = x[2 * q + 1] * r;
+        y[2 * q] = c[q] * a + s[q] * b;
+        y[2 * q + 1] = c[q] * b - s[q] * a;
     }
     __nv_bfloat16* out = (w.is_k ? p.k : p.q) + w.out;
-    if (!(w.is_k && p.key_offset && shifted_lane(lane))) {
-        store4(out, y);
+    if (!(w.is_k && p.key_offset && shifted_part(w.j))) {
+        tk::store8(out, y);
     } else {  // shifted dims go to the next token; token 0 keeps its own
-        if (w.t + 1 < p.tokens) store4(out + (int64_t)p.heads * 128, y);
-        if (w.t == 0) store4(out, y);
+        if (w.t + 1 < p.tokens) tk::store8(out + (int64_t)p.heads * 128, y);
+        if (w.t == 0) tk::store8(out, y);
     }
 }
 
 __global__ void bwd_kernel(const Params p) {
     Row w;
     if (!row_of(p, w)) return;
-    const int lane = threadIdx.x & 31;
     const __nv_bfloat16* g = (w.is_k ? p.dk : p.dq) + w.out;
-    float dy[4] = {0.f, 0.f, 0.f, 0.f};
-    if (!(w.is_k && p.key_offset && shifted_lane(lane))) {
-        load4(g, dy);
+    float dy[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (!(w.is_k && p.key_offset && shifted_part(w.j))) {
+        tk::load8(g, dy);
     } else {  // this token's shifted dims reached the next token (and itself, for token 0)
-        if (w.t + 1 < p.tokens) load4(g + (int64_t)p.heads * 128, dy);
+        if (w.t + 1 < p.tokens) tk::load8(g + (int64_t)p.heads * 128, dy);
         if (w.t == 0) {
-            float own[4];
-            load4(g, own);
+            float own[8];
+            tk::load8(g, own);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dy[e] += own[e];
+            for (int e = 0; e < 8; ++e) dy[e] += own[e];
         }
     }
+    float x[8], c[4], s[4];
+    tk::load8(p.qkv + w.t * p.ld + w.col, x);
+    rotations(p, w, c, s);
     // through the rotation (its transpose), then the norm
-    float dn[4];
+    float dn[8];
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        float c, s;
-        rot(p, w.pos, lane * 2 + j, c, s);
-        dn[2 * j] = c * dy[2 * j] - s * dy[2 * j + 1];
-        dn[2 * j + 1] = s * dy[2 * j] + c * dy[2 * j + 1];
+    for (int q = 0; q < 4; ++q) {
+        dn[2 * q] = c[q] * dy[2 * q] - s[q] * dy[2 * q + 1];
+        dn[2 * q + 1] = s[q] * dy[2 * q] + c[q] * dy[2 * q + 1];
     }
-    float x[4];
-    load4(p.qkv + w.t * p.ld + w.col, x);
     const float r = inv_rms(p, x);
-    const float dot = warp_sum(dn[0] * x[0] + dn[1] * x[1] + dn[2] * x[2] + dn[3] * x[3]);
-    const float cc = r * r * dot / 128.f;
-    float dx[4];
+    float dot = 0.f;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dx[e] = r * (dn[e] - x[e] * cc);
-    store4(p.dqkv + w.t * p.ld_grad + w.col, dx);
+    for (int e = 0; e < 8; ++e) dot += dn[e] * x[e];
+    const float cc = r * r * half_warp_sum(dot) / 128.f;
+    float dx[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) dx[e] = r * (dn[e] - x[e] * cc);
+    tk::store8(p.dqkv + w.t * p.ld_grad + w.col, dx);
 }
 
 }  // namespace qkrope
@@ -1188,12 +1251,12 @@ inline cudaError_t rope_table(const qkrope::Freqs& freq, int positions, __nv_bfl
     return cudaGetLastError();
 }
 inline cudaError_t qk_norm_rope_forward(const qkrope::Params& p, cudaStream_t stream) {
-    const int64_t warps = (int64_t)p.tokens * p.heads * 2;
+    const int64_t warps = (int64_t)p.tokens * p.heads;  // one (token, head) per warp
     qkrope::fwd_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, stream>>>(p);
     return cudaGetLastError();
 }
 inline cudaError_t qk_norm_rope_backward(const qkrope::Params& p, cudaStream_t stream) {
-    const int64_t warps = (int64_t)p.tokens * p.heads * 2;
+    const int64_t warps = (int64_t)p.tokens * p.heads;
     qkrope::bwd_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, stream>>>(p);
     return cudaGetLastError();
 }

@@ -74,8 +74,8 @@ static ForwardArgs bench_forward_args(const Hyperparameters& args) {
 }
 
 // the model: forward + backward of one micro-batch at the record's sizes
-static void bench_model(Gemms& gemms) {
-    printf("\nModel forward + backward, one micro-batch (random weights)\n");
+static void bench_model(Gemms& gemms, const char* gemm_choice) {
+    printf("\nModel forward + backward, one micro-batch (random weights; GEMM algorithms: %s)\n", gemm_choice);
     Hyperparameters args;
     size_t free0, total;
     CUDA_CHECK(cudaMemGetInfo(&free0, &total));
@@ -215,7 +215,12 @@ int main(int argc, char** argv) {
             for (void* q : {(void*)grad, (void*)v, (void*)p, (void*)buf, (void*)g, (void*)sm, (void*)lr, (void*)mant, (void*)var_ws})
                 CUDA_CHECK(cudaFree(q));
         }
-    bench_model(gemms);
+    {
+        Gemms first_choice(false);
+        bench_model(first_choice, "cuBLASLt's heuristic's first choice");
+    }
+    bench_model(gemms, "tuned on the first call");
+    printf("  %s\n", gemms.tuning_report().c_str());
     printf("\nAdam on one GPU\n");
     struct AdamParam { const char* name; int64_t n; };
     for (AdamParam ap : {AdamParam{"embed (50304x768)", 50304LL * 768}, AdamParam{"ve0..2 (3x50304x768)", 3LL * 50304 * 768},

@@ -412,8 +412,17 @@ static void rmsnorm_case(int rows, int dim, uint64_t seed) {
         return out;
     };
     double ey = rel_err_d(take(dyo.download()), y_ref), ed = rel_err_d(take(ddx.download()), dx_ref);
-    printf("  rms_norm rows %5d dim %4d  rel err: y %.1e dx %.1e\n", rows, dim, ey, ed);
-    CHECK(ey < 1e-2 && ed < 1e-2, "rms_norm rows %d dim %d differs from the fp64 reference (y %.2e dx %.2e)", rows, dim, ey, ed);
+    // accumulating: dx = dy (as the residual stream's gradient) + the norm's gradient
+    CUDA_CHECK(cudaMemcpy(ddx.ptr, ddy.ptr, ddy.n * 2, cudaMemcpyDeviceToDevice));
+    CUDA_CHECK(rms_norm_backward(bf(dx_in.ptr), ld, bf(ddy.ptr), ld, rstd.ptr, bf(ddx.ptr), ld, rows, dim, 0, true));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<double> acc_ref = dx_ref;
+    for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < dim; ++c) acc_ref[(size_t)r * dim + c] += bf16_to_float(dy[(size_t)r * ld + c]);
+    const double ea = rel_err_d(take(ddx.download()), acc_ref);
+    printf("  rms_norm rows %5d dim %4d  rel err: y %.1e dx %.1e dx accumulated %.1e\n", rows, dim, ey, ed, ea);
+    CHECK(ey < 1e-2 && ed < 1e-2 && ea < 1e-2, "rms_norm rows %d dim %d differs from the fp64 reference (y %.2e dx %.2e "
+          "accumulated %.2e)", rows, dim, ey, ed, ea);
 }
 
 static float fp8_to_float(uint8_t v, bool e5m2) {
@@ -1122,20 +1131,27 @@ static bool within_noise(const OracleLine& l, double floor = 0) {
 // understates the noise of a gradient that is a sum with heavy cancellation (x0_lambdas' record
 // error was 3.4e-2 in one run and 6.7e-3 in the next, from e5m2 roundings that fall elsewhere), so
 // each tensor's floor is at least the median of the record's errors over the whole parameters.
-static void check_oracle_lines(const char* what, const std::vector<OracleLine>& lines) {
+// A tensor of a few such sums (the 12 x0_lambdas, the gates' 12 weights) is one draw from a wide
+// distribution: x0_lambdas' record error was 6.7e-3, 1.4e-2, 2.9e-2 and 3.4e-2 in four runs,
+// ours 3.2e-2 to 5.8e-2. Those (numel(label) < 100 where numel is given) take the largest record
+// error over the whole parameters as their floor; a missing or wrong term still shows as O(1).
+static void check_oracle_lines(const char* what, const std::vector<OracleLine>& lines,
+                               const std::function<int64_t(const std::string&)>& numel = nullptr) {
     std::vector<double> whole;
     for (const OracleLine& l : lines)
         if (!l.slice()) whole.push_back(l.record);
     std::sort(whole.begin(), whole.end());
-    const double floor = whole.empty() ? 0 : whole[whole.size() / 2];
-    printf("    %s, relative error vs the fp32 reference: ours / record (bf16 PyTorch); floor %.1e\n", what, floor);
+    const double median = whole.empty() ? 0 : whole[whole.size() / 2], largest = whole.empty() ? 0 : whole.back();
+    auto floor = [&](const OracleLine& l) { return numel && !l.slice() && numel(l.label) < 100 ? largest : median; };
+    printf("    %s, relative error vs the fp32 reference: ours / record (bf16 PyTorch); floor %.1e (tensors of < 100 "
+           "values: %.1e)\n", what, median, largest);
     for (size_t i = 0; i < lines.size(); ++i)
         printf("%s%-17s %.1e / %.1e %-4s%s", i % 3 == 0 ? "      " : "  ", lines[i].label.c_str(), lines[i].ours,
-               lines[i].record, within_noise(lines[i], floor) ? "ok" : "FAIL",
+               lines[i].record, within_noise(lines[i], floor(lines[i])) ? "ok" : "FAIL",
                i % 3 == 2 || i + 1 == lines.size() ? "\n" : "");
     for (const OracleLine& l : lines)
-        CHECK(within_noise(l, floor), "%s %s: %.2e from the fp32 reference, above %.1f x max(the record's %.2e, %.2e) + %.0e",
-              what, l.label.c_str(), l.ours, NOISE_FACTOR, l.record, floor, NOISE_MARGIN);
+        CHECK(within_noise(l, floor(l)), "%s %s: %.2e from the fp32 reference, above %.1f x max(the record's %.2e, %.2e) + %.0e",
+              what, l.label.c_str(), l.ours, NOISE_FACTOR, l.record, floor(l), NOISE_MARGIN);
 }
 // the number of whole-parameter lines and of bank-slice lines
 static std::pair<size_t, size_t> count_lines(const std::vector<OracleLine>& lines) {
@@ -1265,7 +1281,7 @@ static void test_model_forward(const std::string& dir) {
     // every parameter's gradient from one training micro-step, and each bank slice's: attn[0..9],
     // mlp[0..10].{fc,proj} (slot 11 is padding), attn_gate_bank[0..9], ve_gate_bank[0..4]
     const auto grads = oracle_lines(out, "grad");
-    check_oracle_lines("grad", grads);
+    check_oracle_lines("grad", grads, [&](const std::string& label) { return params[label].shape.numel(); });
     const auto [whole, slices] = count_lines(grads);
     CHECK(whole == 13 && slices == 10 + 22 + 10 + 5, "the oracle compared %zu of 13 gradients and %zu of 47 slices: %s",
           whole, slices, out.c_str());
