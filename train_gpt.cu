@@ -1513,7 +1513,8 @@ class Model {
         // v: a buffer of its own only where the paired-head layout needs it contiguous; elsewhere
         // attention reads it in place from the QKV projection
         auto make_layer = [&](Layer& l, int64_t n, bool attention, bool own_v) {
-            l.x_in = bf(n * D), l.x_mix = bf(n * D), l.x_attn = bf(n * D), l.xn_m = bf(n * D);
+            l.x_in = bf(n * D), l.x_mix = bf(n * D), l.xn_m = bf(n * D);
+            l.x_attn = attention ? bf(n * D) : l.x_mix;  // no attention: x_attn is x_mix
             l.pre = bf(n * 4 * D), l.post = bf(n * 4 * D);
             l.rstd_a = alloc<float>(n), l.rstd_m = alloc<float>(n);
             if (!attention) return;
@@ -1585,25 +1586,28 @@ class Model {
             if (x != l.x_in) CUDA_CHECK(cudaMemcpyAsync(l.x_in, x, TD * 2, cudaMemcpyDeviceToDevice, s));
             if (!fa.training && i == 4) CUDA_CHECK(cudaMemcpyAsync(eval_skip_, x, TD * 2, cudaMemcpyDeviceToDevice, s));
             if (!fa.training && i == 8) CUDA_CHECK(cudaMemcpyAsync(eval_back_, x, TD * 2, cudaMemcpyDeviceToDevice, s));
+            // layer i-1's output is checked where this layer first reads it (before the skip changes it)
+            if (i == 6) CUDA_CHECK(check_finite(l.x_in, TD, bad_, i - 1, s));
             if (i == 6) {  // skip from layer 3's output (layer 4's input), gated by x0 (U-net)
                 gate::Params sk = row_gate(T, x0_, bf(p_["skip_gate"].data), scalars + SCALAR_SKIP);
                 sk.a = l.x_in, sk.b = skip_source();
                 CUDA_CHECK(gate_forward(GateKind::Skip, sk, s));
             }
-            CUDA_CHECK(combine(l.x_mix, l.x_in, x0_, TD, {scalars + SCALAR_RESID + i, 1.f, 0.f}, {x0_lambdas + i, 1.f, 0.f}, s));
+            CUDA_CHECK(combine(l.x_mix, l.x_in, x0_, TD, {scalars + SCALAR_RESID + i, 1.f, 0.f}, {x0_lambdas + i, 1.f, 0.f}, s,
+                               i > 0 && i != 6 ? bad_ : nullptr, i - 1));
             if (has_attention(i)) attention_forward_block(i, s);  // x_attn = x_mix + attention
-            else CUDA_CHECK(cudaMemcpyAsync(l.x_attn, l.x_mix, TD * 2, cudaMemcpyDeviceToDevice, s));
+            else if (l.x_attn != l.x_mix) CUDA_CHECK(cudaMemcpyAsync(l.x_attn, l.x_mix, TD * 2, cudaMemcpyDeviceToDevice, s));
             // MLP: x += relu(norm(x) c_fc^T)^2 c_proj
             CUDA_CHECK(rms_norm_forward(l.x_attn, D, l.xn_m, D, l.rstd_m, T, D, RMS_NORM_EPS, s));
             gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, l.xn_m, D, c_fc(i), D, l.pre, 4 * D, false);
             CUDA_CHECK(relu_square_forward(l.pre, l.post, (int64_t)T * 4 * D, s));
             __nv_bfloat16* out = i + 1 < NUM_LAYERS ? layer(i + 1).x_in : x_last_;
             gemms_.bf16(s, Op::N, Op::N, T, D, 4 * D, l.post, 4 * D, c_proj(i), D, out, D, false, 1.f, 1.f, l.x_attn);
-            CUDA_CHECK(check_finite(out, TD, bad_, i, s));
             x = out;
         }
         // back out layers 0-7's contribution (@classiclarryd; layer 7's output is layer 8's input), final norm
-        CUDA_CHECK(combine(x_back_, x_last_, backout_source(), TD, {nullptr, 0.f, 1.f}, {scalars + SCALAR_BACKOUT, -1.f, 0.f}, s));
+        CUDA_CHECK(combine(x_back_, x_last_, backout_source(), TD, {nullptr, 0.f, 1.f}, {scalars + SCALAR_BACKOUT, -1.f, 0.f}, s,
+                           bad_, NUM_LAYERS - 1));
         CUDA_CHECK(rms_norm_forward(x_back_, D, xn_, D, rstd_f_, T, D, RMS_NORM_EPS, s));
         if (!profiling_) return head_and_loss(s);
         gemms_.set_timer(nullptr);  // the head's GEMMs count as the head's
@@ -1807,13 +1811,14 @@ class Model {
         CUDA_CHECK(cudaMemsetAsync(dxn_, 0, TD * 2, s));
         gate::Params og = head_gate(i, bf(p_["attn_gate_bank"].data) + attn_index(i) * NUM_HEADS * gate::GW);
         og.a = l.y, og.dout = dyg_, og.da = dy_, og.dz = dz_;
+        og.delta = delta_, og.delta_split = paired_head(i) ? 2 : 1;  // attention's delta, in the same pass
         CUDA_CHECK(gate_backward(GateKind::Output, og, dxn_, D,
                                  bf(p_["attn_gate_bank"].grad) + attn_index(i) * NUM_HEADS * gate::GW, nullptr, s));
         // attention (its tile schedule was overwritten by later layers: remake it)
         attn::Params ap = attn_params(i);
         if (profiling_) attn_timer_.begin(s);
         CUDA_CHECK(attention_schedule(ap, s));
-        CUDA_CHECK(attention_backward(ap, s));
+        CUDA_CHECK(attention_backward(ap, s, true));
         if (profiling_) attn_timer_.end(s);
         // value-embedding gate: v passes through; dve and the gate's input gradient
         int64_t dv_ld;

@@ -631,11 +631,12 @@ inline cudaError_t attention_forward(const attn::Params& p, cudaStream_t stream)
 
 // Backward: dq, dk, dv from dout, out, lse and the schedule in p.tiles, all as the forward with
 // the same cu_seqlens and window left them (p.delta: a heads x positions fp32 workspace).
-inline cudaError_t attention_backward(const attn::Params& p, cudaStream_t stream) {
+// delta_ready: p.delta already holds rowsum(dout * out) (the output gate's backward writes it).
+inline cudaError_t attention_backward(const attn::Params& p, cudaStream_t stream, bool delta_ready = false) {
     static bool configured = false;
     if (cudaError_t e = tk::allow_smem(attn::attn_bwd_kernel, attn::BWD_SMEM, configured)) return e;
     const int64_t warps = (int64_t)p.positions * p.heads;
-    attn::attn_bwd_delta_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, stream>>>(p);
+    if (!delta_ready) attn::attn_bwd_delta_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, stream>>>(p);
     attn::attn_bwd_kernel<<<dim3(2 * attn::max_tiles(p.positions, p.cu_len), p.heads), attn::THREADS, attn::BWD_SMEM, stream>>>(p);
     return cudaGetLastError();
 }
@@ -675,6 +676,13 @@ __device__ __forceinline__ float softcap(const Params& p, float nic, float x) {
     return __fdividef(p.a, 1.f + __expf((x + p.b) * nic));
 }
 
+// 2^x on the SFU (ex2.approx: 2 ulp; exp2f adds range fix-ups this pass does not need)
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 __device__ __forceinline__ float block_sum(float v, float* red) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
@@ -697,12 +705,25 @@ __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) 
     const __nv_bfloat16* x = p.logits + (int64_t)row * p.ld;
     const int nvec = p.vocab / 8;
     const float nic = -1.f / p.c;
+    // exp(softcap(x)) = 2^(a log2e / (1 + 2^(x A1 + B1))): three SFU operations and four others
+    const float L2E = 1.4426950408889634f, A1 = nic * L2E, B1 = p.b * nic * L2E, aL = p.a * L2E;
     float sum = 0.f;
-    for (int v = threadIdx.x; v < nvec; v += THREADS) {
+    auto add8 = [&](const float f[8]) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sum += fast_exp2(__fdividef(aL, 1.f + fast_exp2(fmaf(f[e], A1, B1))));
+    };
+    int v = threadIdx.x;
+    for (; v + THREADS < nvec; v += 2 * THREADS) {  // two loads in flight
+        float f[8], g[8];
+        tk::load8(x + v * 8, f);
+        tk::load8(x + (v + THREADS) * 8, g);
+        add8(f);
+        add8(g);
+    }
+    if (v < nvec) {
         float f[8];
         tk::load8(x + v * 8, f);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) sum += __expf(softcap(p, nic, f[e]));
+        add8(f);
     }
     int tgt[MAX_PREDICT];
     float zt[MAX_PREDICT];
@@ -944,13 +965,6 @@ namespace ce {
 constexpr int GR = 64, GC = 128, GT = 4;  // rows, columns per tile; tiles per CTA along the vocabulary
 constexpr int GPITCH = GR + 4;            // bytes per column of the transposed tile (word-aligned)
 
-// 2^x on the SFU (ex2.approx: 2 ulp; exp2f adds range fix-ups this pass does not need)
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 __device__ __forceinline__ void load_logits(const Params& p, int r0, int col, uint4 raw[4]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -1118,19 +1132,6 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
     return v;
 }
-// 4 bf16 values (8 bytes) to and from fp32
-__device__ __forceinline__ void load4(const __nv_bfloat16* p, float f[4]) {
-    uint2 u = *reinterpret_cast<const uint2*>(p);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-    float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
-    f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
-}
-__device__ __forceinline__ void store4(__nv_bfloat16* p, const float f[4]) {
-    uint2 u;
-    u.x = tk::pack_bf16(f[0], f[1]), u.y = tk::pack_bf16(f[2], f[3]);
-    *reinterpret_cast<uint2*>(p) = u;
-}
-
 // 16 threads per row (token, head, q or k), 8 values each; a warp takes the q and k rows of one
 // (token, head), which share their rotary position. Lanes 0-7 hold the rotated dims 0-63 (pairs
 // 4j..4j+3: one 16-byte table read), lanes 8-15 the unrotated half.
@@ -1698,6 +1699,11 @@ struct Params {
     float* dz;                   // tokens x heads
     float* dlam_rows;            // tokens: per-token lambda gradient terms
     float* partial;              // WG_BLOCKS x WG_OUT floats: the weight gradient's partial sums
+    // output gate backward, optionally: attention's delta = rowsum(dy * y) per (position, head) of
+    // attention's view, heads / delta_split heads over tokens * delta_split positions (the paired
+    // layout: 2); delta[head * positions + position]
+    float* delta;
+    int delta_split;
 };
 
 __device__ __forceinline__ float sigmoid(float z) { return 1.f / (1.f + __expf(-z)); }
@@ -1708,57 +1714,93 @@ __device__ __forceinline__ float logit(const Params& p, int t, int h) {
     for (int j = 0; j < GW; ++j) s += __bfloat162float(p.x[t * p.ld_x + j]) * __bfloat162float(p.w[h * GW + j]);
     return bf(s);
 }
-__device__ __forceinline__ float dot4(const float a[4], const float b[4]) {
-    return qkrope::warp_sum(a[0] * b[0] + a[1] * b[1] + a[2] * b[2] + a[3] * b[3]);
-}
 
 enum Kind { VE = 0, OUT = 1 };
 
-// per (token, head) warp, lane holds 4 of the 128 channels
+// logit() for 8-byte aligned x rows and weights (the head gates): 3 + 3 vector loads, the same sum
+__device__ __forceinline__ float logit_vec(const Params& p, int t, int h) {
+    const uint2* xv = reinterpret_cast<const uint2*>(p.x + t * p.ld_x);
+    const uint2* wv = reinterpret_cast<const uint2*>(p.w + h * GW);
+    float s = 0.f;
+#pragma unroll
+    for (int q = 0; q < GW / 4; ++q) {
+        float xf[4], wf[4];
+        const uint2 xu = xv[q], wu = wv[q];
+        const __nv_bfloat162* xh = reinterpret_cast<const __nv_bfloat162*>(&xu);
+        const __nv_bfloat162* wh = reinterpret_cast<const __nv_bfloat162*>(&wu);
+        const float2 x0 = __bfloat1622float2(xh[0]), x1 = __bfloat1622float2(xh[1]);
+        const float2 w0 = __bfloat1622float2(wh[0]), w1 = __bfloat1622float2(wh[1]);
+        xf[0] = x0.x, xf[1] = x0.y, xf[2] = x1.x, xf[3] = x1.y, wf[0] = w0.x, wf[1] = w0.y, wf[2] = w1.x, wf[3] = w1.y;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s += xf[e] * wf[e];
+    }
+    return bf(s);
+}
+__device__ __forceinline__ float half_warp_sum(float v) {
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+__device__ __forceinline__ float dot8(const float a[8], const float b[8]) {
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s += a[e] * b[e];
+    return half_warp_sum(s);
+}
+
+// 16 threads per (token, head), 8 of the 128 channels each (whole warps: tokens x heads is even)
 template <int K>
 __global__ void head_fwd_kernel(const Params p) {
-    const int64_t w = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 16;
     if (w >= (int64_t)p.tokens * p.heads) return;
-    const int t = (int)(w / p.heads), h = (int)(w % p.heads), c = h * 128 + (threadIdx.x & 31) * 4;
-    const float s = sigmoid(logit(p, t, h));
-    float a[4], b[4];
-    qkrope::load4(p.a + t * p.ld_a + c, a);
+    const int t = (int)(w / p.heads), h = (int)(w % p.heads), c = h * 128 + (threadIdx.x & 15) * 8;
+    const float s = sigmoid(logit_vec(p, t, h));
+    float a[8], b[8];
+    tk::load8(p.a + t * p.ld_a + c, a);
     if (K == VE) {
-        qkrope::load4(p.b + t * p.ld_b + c, b);
+        tk::load8(p.b + t * p.ld_b + c, b);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) a[e] += 2.f * s * b[e];
-        qkrope::store4(p.a + t * p.ld_a + c, a);
+        for (int e = 0; e < 8; ++e) a[e] += 2.f * s * b[e];
+        tk::store8(p.a + t * p.ld_a + c, a);
     } else {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) a[e] *= s;
-        qkrope::store4(p.out + t * p.ld_out + c, a);
+        for (int e = 0; e < 8; ++e) a[e] *= s;
+        tk::store8(p.out + t * p.ld_out + c, a);
     }
 }
 
 template <int K>
 __global__ void head_bwd_kernel(const Params p) {
-    const int64_t w = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 16;
     if (w >= (int64_t)p.tokens * p.heads) return;
-    const int t = (int)(w / p.heads), h = (int)(w % p.heads), c = h * 128 + (threadIdx.x & 31) * 4;
-    const float s = sigmoid(logit(p, t, h));
-    float g[4], b[4];
-    qkrope::load4(p.dout + t * p.ld_dout + c, g);
+    const int t = (int)(w / p.heads), h = (int)(w % p.heads), c = h * 128 + (threadIdx.x & 15) * 8;
+    const float s = sigmoid(logit_vec(p, t, h));
+    float g[8], b[8];
+    tk::load8(p.dout + t * p.ld_dout + c, g);
     if (K == VE) {  // v passes through; dve += 2 s dv; dz = (dv . ve) 2 s (1 - s)
-        qkrope::load4(p.b + t * p.ld_b + c, b);
-        float d = dot4(g, b);
-        float acc[4];
-        qkrope::load4(p.db + t * p.ld_db + c, acc);
+        tk::load8(p.b + t * p.ld_b + c, b);
+        const float d = dot8(g, b);
+        float acc[8];
+        tk::load8(p.db + t * p.ld_db + c, acc);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[e] += 2.f * s * g[e];
-        qkrope::store4(p.db + t * p.ld_db + c, acc);
-        if ((threadIdx.x & 31) == 0) p.dz[w] = d * 2.f * s * (1.f - s);
+        for (int e = 0; e < 8; ++e) acc[e] += 2.f * s * g[e];
+        tk::store8(p.db + t * p.ld_db + c, acc);
+        if ((threadIdx.x & 15) == 0) p.dz[w] = d * 2.f * s * (1.f - s);
     } else {  // dy = dout s; dz = (dout . y) s (1 - s)
-        qkrope::load4(p.a + t * p.ld_a + c, b);
-        float d = dot4(g, b);
+        tk::load8(p.a + t * p.ld_a + c, b);
+        const float d = dot8(g, b);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) g[e] *= s;
-        qkrope::store4(p.da + t * p.ld_da + c, g);
-        if ((threadIdx.x & 31) == 0) p.dz[w] = d * s * (1.f - s);
+        for (int e = 0; e < 8; ++e) g[e] = bf(g[e] * s);  // as stored: attention's delta reads dy in bf16
+        tk::store8(p.da + t * p.ld_da + c, g);
+        float delta = 0.f;
+        if (p.delta) delta = dot8(g, b);
+        if ((threadIdx.x & 15) == 0) {
+            p.dz[w] = d * s * (1.f - s);
+            if (p.delta) {
+                const int heads_a = p.heads / p.delta_split;
+                p.delta[(int64_t)(h % heads_a) * p.tokens * p.delta_split + (int64_t)t * p.delta_split + h / heads_a] = delta;
+            }
+        }
     }
 }
 
@@ -1920,8 +1962,23 @@ __global__ void gate_weight_finish_kernel(const Params p, bool with_lambda, __nv
 
 enum class GateKind { ValueEmbedding, Output, Smear, Skip };
 
+// the head gates' vector loads: 16-byte aligned rows of a (b, out), 8-byte aligned gate inputs and
+// weights, and whole warps (tokens x heads even)
+inline bool head_gate_shapes_ok(const gate::Params& p, bool ve, bool backward) {
+    auto al = [](const void* q, int64_t ld, int bytes) { return (uintptr_t)q % bytes == 0 && (ld * 2) % bytes == 0; };
+    const bool common = (int64_t)p.tokens * p.heads % 2 == 0 && al(p.x, p.ld_x, 8) && (uintptr_t)p.w % 8 == 0;
+    if (ve)  // v (in place) + ve; backward: dv, dve
+        return common && al(p.b, p.ld_b, 16) &&
+               (backward ? al(p.dout, p.ld_dout, 16) && al(p.db, p.ld_db, 16) : al(p.a, p.ld_a, 16));
+    // y -> out; backward: dout, y -> dy
+    return common && al(p.a, p.ld_a, 16) &&
+           (backward ? al(p.dout, p.ld_dout, 16) && al(p.da, p.ld_da, 16) : al(p.out, p.ld_out, 16));
+}
+
 inline cudaError_t gate_forward(GateKind kind, const gate::Params& p, cudaStream_t stream) {
-    const int64_t warps = kind == GateKind::ValueEmbedding || kind == GateKind::Output ? (int64_t)p.tokens * p.heads : p.tokens;
+    const bool per_head = kind == GateKind::ValueEmbedding || kind == GateKind::Output;
+    if (per_head && !head_gate_shapes_ok(p, kind == GateKind::ValueEmbedding, false)) return cudaErrorInvalidValue;
+    const int64_t warps = per_head ? ((int64_t)p.tokens * p.heads + 1) / 2 : p.tokens;  // head gates: 2 per warp
     const unsigned blocks = (unsigned)((warps + 7) / 8);
     switch (kind) {
         case GateKind::ValueEmbedding: gate::head_fwd_kernel<gate::VE><<<blocks, 256, 0, stream>>>(p); break;
@@ -1938,7 +1995,8 @@ inline cudaError_t gate_forward(GateKind kind, const gate::Params& p, cudaStream
 inline cudaError_t gate_backward(GateKind kind, const gate::Params& p, __nv_bfloat16* dx, int64_t ld_dx,
                                  __nv_bfloat16* dw, float* dlambda, cudaStream_t stream) {
     const bool per_head = kind == GateKind::ValueEmbedding || kind == GateKind::Output;
-    const int64_t warps = per_head ? (int64_t)p.tokens * p.heads : p.tokens;
+    if (per_head && !head_gate_shapes_ok(p, kind == GateKind::ValueEmbedding, true)) return cudaErrorInvalidValue;
+    const int64_t warps = per_head ? ((int64_t)p.tokens * p.heads + 1) / 2 : p.tokens;
     const unsigned blocks = (unsigned)((warps + 7) / 8);
     switch (kind) {
         case GateKind::ValueEmbedding: gate::head_bwd_kernel<gate::VE><<<blocks, 256, 0, stream>>>(p); break;
@@ -1973,16 +2031,18 @@ struct Coef {
 };
 
 __global__ void combine_kernel(__nv_bfloat16* out, const __nv_bfloat16* x, const __nv_bfloat16* y, int64_t n8, Coef ca,
-                               Coef cb) {
+                               Coef cb, int* flag, int tag) {
     const float a = ca.value(), b = cb.value();
+    bool bad = false;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8; i += (int64_t)gridDim.x * blockDim.x) {
         float fx[8], fy[8];
         tk::load8(x + i * 8, fx);
         tk::load8(y + i * 8, fy);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) fx[e] = a * fx[e] + b * fy[e];
+        for (int e = 0; e < 8; ++e) bad |= !isfinite(fx[e]), fx[e] = a * fx[e] + b * fy[e];
         tk::store8(out + i * 8, fx);
     }
+    if (flag && __syncthreads_or(bad) && threadIdx.x == 0) atomicCAS(flag, -1, tag);
 }
 
 // dx (+)= ca dout, dy += cb dout; partial[0][block] = sum dout x, partial[1][block] = sum dout y
@@ -2012,13 +2072,16 @@ __global__ void combine_bwd_kernel(const __nv_bfloat16* dout, const __nv_bfloat1
     if (threadIdx.x == 0) partial[blockIdx.x] = tx, partial[DOT_BLOCKS + blockIdx.x] = ty;
 }
 
-// grad[k] += scale_k * sum of partial[k][*], in order (one thread per target)
+// grad[k] += scale_k * sum of partial[k][*], one warp per target in a fixed order (deterministic)
 __global__ void finish_kernel(const float* partial, float* g0, float s0, float* g1, float s1) {
-    float* g = threadIdx.x == 0 ? g0 : g1;
+    const int k = threadIdx.x / 32, lane = threadIdx.x & 31;
+    float* g = k == 0 ? g0 : g1;
     if (!g) return;
     float t = 0.f;
-    for (int i = 0; i < DOT_BLOCKS; ++i) t += partial[threadIdx.x * DOT_BLOCKS + i];
-    *g += t * (threadIdx.x == 0 ? s0 : s1);
+    for (int i = lane; i < DOT_BLOCKS; i += 32) t += partial[k * DOT_BLOCKS + i];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
+    if (lane == 0) *g += t * (k == 0 ? s0 : s1);
 }
 
 __global__ void scale_weight_kernel(__nv_bfloat16* out, const __nv_bfloat16* w, int64_t n8, const float* lambda) {
@@ -2055,10 +2118,11 @@ __global__ void scale_weight_bwd_kernel(const float* dwp, const __nv_bfloat16* w
 }  // namespace scal
 
 // out = ca x + cb y over n bf16 values (n a multiple of 8; out may alias x or y)
+// flag: as check_finite's, for x (the forward checks each layer's output where the next step reads it)
 inline cudaError_t combine(__nv_bfloat16* out, const __nv_bfloat16* x, const __nv_bfloat16* y, int64_t n, scal::Coef ca,
-                           scal::Coef cb, cudaStream_t stream) {
+                           scal::Coef cb, cudaStream_t stream, int* flag = nullptr, int tag = 0) {
     if (n % 8) return cudaErrorInvalidValue;
-    scal::combine_kernel<<<scal::DOT_BLOCKS, 256, 0, stream>>>(out, x, y, n / 8, ca, cb);
+    scal::combine_kernel<<<scal::DOT_BLOCKS, 256, 0, stream>>>(out, x, y, n / 8, ca, cb, flag, tag);
     return cudaGetLastError();
 }
 // dx = ca dout (or += with dx_accumulate), dy += cb dout, and the coefficients' scalar gradients:
@@ -2069,7 +2133,7 @@ inline cudaError_t combine_backward(const __nv_bfloat16* dout, const __nv_bfloat
                                     scal::Coef cb, float* ga, float* gb, float* partial, cudaStream_t stream) {
     if (n % 8) return cudaErrorInvalidValue;
     scal::combine_bwd_kernel<<<scal::DOT_BLOCKS, 256, 0, stream>>>(dout, x, y, dx, dx_accumulate, dy, n / 8, ca, cb, partial);
-    scal::finish_kernel<<<1, 2, 0, stream>>>(partial, ga, ca.scale, gb, cb.scale);
+    scal::finish_kernel<<<1, 64, 0, stream>>>(partial, ga, ca.scale, gb, cb.scale);
     return cudaGetLastError();
 }
 inline cudaError_t scale_weight(__nv_bfloat16* out, const __nv_bfloat16* w, int64_t n, const float* lambda,
@@ -2083,7 +2147,7 @@ inline cudaError_t scale_weight_backward(const float* dwp, const __nv_bfloat16* 
                                          const float* lambda, float* glambda, float* partial, cudaStream_t stream) {
     if (n % 8) return cudaErrorInvalidValue;
     scal::scale_weight_bwd_kernel<<<scal::DOT_BLOCKS, 256, 0, stream>>>(dwp, w, dw, n / 8, lambda, partial);
-    scal::finish_kernel<<<1, 1, 0, stream>>>(partial, glambda, 1.f, nullptr, 0.f);
+    scal::finish_kernel<<<1, 32, 0, stream>>>(partial, glambda, 1.f, nullptr, 0.f);
     return cudaGetLastError();
 }
 

@@ -938,16 +938,19 @@ static void gate_case(GateKind kind, int T, uint64_t seed) {
                 case GateKind::Skip: fwd[(size_t)t * D + c] = F(a, t, c) + sig(lam) * 2 * s * F(b, t, c); break;
             }
         }
+    // the output gate's backward also gives attention's delta = rowsum(dy * y), here in the paired
+    // layout's index order (3 heads over 2T positions)
+    std::vector<double> delta_ref((size_t)T * H);
     for (int t = 0; t < T; ++t)
         for (int h = 0; h < H; ++h) {
             const double s = sig(zf(t, h));
-            double d = 0;
+            double d = 0, dd = 0;
             const int c0 = per_head ? h * 128 : 0, c1 = per_head ? c0 + 128 : D;
             for (int c = c0; c < c1; ++c) {
                 const double g = F(dout, t, c);
                 switch (kind) {
                     case GateKind::ValueEmbedding: d += g * F(b, t, c), db[(size_t)t * D + c] = F(db0, t, c) + 2 * s * g; break;
-                    case GateKind::Output: d += g * F(a, t, c), da[(size_t)t * D + c] = g * s; break;
+                    case GateKind::Output: d += g * F(a, t, c), dd += g * s * F(a, t, c), da[(size_t)t * D + c] = g * s; break;
                     case GateKind::Smear:
                         if (t) d += g * F(a, t - 1, c);
                         da[(size_t)t * D + c] = g + (t + 1 < T ? lam * sig(zf(t + 1, 0)) * F(dout, t + 1, c) : 0);
@@ -957,7 +960,10 @@ static void gate_case(GateKind kind, int T, uint64_t seed) {
             }
             switch (kind) {
                 case GateKind::ValueEmbedding: dz[(size_t)t * H + h] = d * 2 * s * (1 - s); break;
-                case GateKind::Output: dz[(size_t)t * H + h] = d * s * (1 - s); break;
+                case GateKind::Output:
+                    dz[(size_t)t * H + h] = d * s * (1 - s);
+                    delta_ref[(size_t)(h % (H / 2)) * 2 * T + 2 * t + h / (H / 2)] = dd;
+                    break;
                 case GateKind::Smear: dz[t] = t ? lam * s * (1 - s) * d : 0, dlam_rows[t] = t ? s * d : 0; break;
                 case GateKind::Skip:
                     dz[t] = sig(lam) * 2 * s * (1 - s) * d, dlam_rows[t] = sig(lam) * (1 - sig(lam)) * 2 * s * d;
@@ -991,6 +997,9 @@ static void gate_case(GateKind kind, int T, uint64_t seed) {
     p.dout = bf(doutg.ptr), p.ld_dout = D, p.da = bf(dag2.ptr), p.db = bf(dbg2.ptr), p.ld_da = D, p.ld_db = D;
     DeviceArray<float> partial((size_t)gate::WG_BLOCKS * gate::WG_OUT);
     p.dz = dzg.ptr, p.dlam_rows = dlr.ptr, p.partial = partial.ptr;
+    DeviceArray<float> deltag((size_t)T * H);
+    deltag.poison();
+    if (kind == GateKind::Output) p.delta = deltag.ptr, p.delta_split = 2;
     if (kind == GateKind::Smear) p.x = p.a;
     CUDA_CHECK(gate_backward(kind, p, kind == GateKind::Smear ? p.da : bf(dx0g.ptr), D, bf(dwgr.ptr), dlam.ptr, 0));
     CUDA_CHECK(gate_forward(kind, p, 0));  // after the backward: v and x are updated in place
@@ -1018,10 +1027,15 @@ static void gate_case(GateKind kind, int T, uint64_t seed) {
     for (size_t i = 0; i < dwd.size(); ++i) dwd[i] = bf16_to_float(dwgot[i]);
     double e_w = rel_err_d(dwd, dw_ref);
     double e_l = per_head ? 0 : std::fabs(dlam.download()[0] - dlam_ref[0]) / std::max(1e-12, std::fabs(dlam_ref[0]));
+    double e_d = 0;
+    if (kind == GateKind::Output) {
+        std::vector<float> got = deltag.download();
+        e_d = rel_err_d(std::vector<double>(got.begin(), got.end()), delta_ref);
+    }
     const char* names[] = {"value-embedding gate", "output gate", "smear", "skip"};
-    printf("  %-22s T %5d  rel err: out %.1e da %.1e db %.1e dx[:12] %.1e dw %.1e dlambda %.1e\n", names[(int)kind], T,
-           e_f, e_a, e_b, e_x, e_w, e_l);
-    CHECK(e_f < 1e-2 && e_a < 1e-2 && e_b < 1e-2 && e_x < 1e-2 && e_w < 1e-2 && e_l < 1e-3,
+    printf("  %-22s T %5d  rel err: out %.1e da %.1e db %.1e dx[:12] %.1e dw %.1e dlambda %.1e delta %.1e\n",
+           names[(int)kind], T, e_f, e_a, e_b, e_x, e_w, e_l, e_d);
+    CHECK(e_f < 1e-2 && e_a < 1e-2 && e_b < 1e-2 && e_x < 1e-2 && e_w < 1e-2 && e_l < 1e-3 && e_d < 1e-2,
           "%s differs from the fp64 reference", names[(int)kind]);
 }
 
@@ -1068,6 +1082,16 @@ static void scalar_ops_case(int64_t n, uint64_t seed) {
     double e_o2 = rel_err_d(o2, o2_ref);
     s = sc.download();
     double e_lc = std::fabs(s[5] - (0.7 - sy)) / std::fabs(0.7 - sy);
+    // the finite check of x: the flag stays -1 on finite values and takes the tag at an infinity
+    std::vector<uint16_t> x_inf = x;
+    x_inf[n / 3] = 0x7f80;
+    DeviceArray<uint16_t> dx_inf(x_inf);
+    DeviceArray<int> flag_ok(std::vector<int>{-1}), flag_inf(std::vector<int>{-1});
+    CUDA_CHECK(combine(bf(out.ptr), bf(dx.ptr), bf(dy.ptr), n, one, minus, 0, flag_ok.ptr, 7));
+    CUDA_CHECK(combine(bf(out.ptr), bf(dx_inf.ptr), bf(dy.ptr), n, one, minus, 0, flag_inf.ptr, 7));
+    CHECK(flag_ok.download()[0] == -1 && flag_inf.download()[0] == 7,
+          "combine's finite check: flag %d on finite x (want -1), %d with an infinity (want 7)", flag_ok.download()[0],
+          flag_inf.download()[0]);
     // weight scaling: W' = 1.1 W; dW += 1.1 dW', dlambda += sum dW' W
     std::vector<float> dwp(n);
     std::normal_distribution<float> nd(0.f, 1.f);
