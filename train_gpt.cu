@@ -1644,11 +1644,16 @@ class Model {
             CUDA_CHECK(relu_square_backward(l.pre, dpost_, dpre_, (int64_t)T * 4 * D, s));
             gemms_.bf16(s, Op::T, Op::N, 4 * D, D, T, dpre_, 4 * D, l.xn_m, D, c_fc_grad(i), D, false, 1.f, 1.f);
             gemms_.bf16(s, Op::N, Op::N, T, D, 4 * D, dpre_, 4 * D, c_fc(i), D, dxn_, D, false);
-            CUDA_CHECK(rms_norm_backward(l.x_attn, D, dxn_, D, l.rstd_m, dx_, D, T, D, s, true));
-            if (has_attention(i)) attention_backward_block(i, s);
-            // mixing: x_mix = resid x_in + x0_lambda x0
-            CUDA_CHECK(combine_backward(dx_, l.x_in, x0_, dx_, false, dx0_, TD, {scalars + SCALAR_RESID + i, 1.f, 0.f},
-                                        {x0_lambdas + i, 1.f, 0.f}, gscalars + SCALAR_RESID + i, gx0l + i, partial_, s));
+            // the block's first norm (attention's, or without attention the MLP's) and the mixing
+            // x_mix = resid x_in + x0_lambda x0 go back in one pass
+            const float* rstd = l.rstd_m;
+            if (has_attention(i)) {
+                CUDA_CHECK(rms_norm_backward(l.x_attn, D, dxn_, D, l.rstd_m, dx_, D, T, D, s, true));
+                attention_backward_block(i, s);  // dxn_: the gradient of norm(x_mix)
+                rstd = l.rstd_a;
+            }
+            CUDA_CHECK(norm_mix_backward(l.x_mix, dxn_, rstd, dx_, l.x_in, x0_, dx0_, T, {scalars + SCALAR_RESID + i, 1.f, 0.f},
+                                         {x0_lambdas + i, 1.f, 0.f}, gscalars + SCALAR_RESID + i, gx0l + i, partial_, s));
             if (i == 6) {  // skip: x_in += c 2 sigmoid(z(x0)) x_4in; dx passes through
                 gate::Params sk = row_gate(T, x0_, bf(p_["skip_gate"].data), scalars + SCALAR_SKIP);
                 sk.b = layers_[4].x_in, sk.dout = dx_, sk.ld_dout = D, sk.db = dskip_, sk.ld_db = D;
@@ -1794,7 +1799,8 @@ class Model {
         gemms_.bf16(s, Op::N, Op::T, T, D, D, l.yg, D, wo_, D, l.x_attn, D, false, 1.f, 1.f, l.x_mix);  // x_mix + y o
     }
 
-    // dx holds d x_attn on entry and d x_mix on return
+    // dx holds d x_attn on entry (and on return); dxn gets the gradient of norm(x_mix) (the caller
+    // takes it through the norm, together with the mixing)
     void attention_backward_block(int i, cudaStream_t s) {
         Layer& l = layers_[i];
         const int T = T_;
@@ -1839,7 +1845,6 @@ class Model {
         gemms_.bf16(s, Op::T, Op::N, 3 * D, D, T, dqkv_, 3 * D, l.xn_a, D, dw_, D, true);
         CUDA_CHECK(scale_weight_backward(dw_, attn_w(i), attn_grad(i), 3 * D * D, scalars + SCALAR_SA + 2 * i,
                                          gscalars + SCALAR_SA + 2 * i, partial_, s));
-        CUDA_CHECK(rms_norm_backward(l.x_mix, D, dxn_, D, l.rstd_a, dx_, D, T, D, s, true));
     }
 
     // lm_head (fp8 in training, @YouJiacheng; transposed weight, @ChrisJMcCormick) on norm(x) in

@@ -2072,6 +2072,53 @@ __global__ void combine_bwd_kernel(const __nv_bfloat16* dout, const __nv_bfloat1
     if (threadIdx.x == 0) partial[blockIdx.x] = tx, partial[DOT_BLOCKS + blockIdx.x] = ty;
 }
 
+// The end of a block's backward in one pass (768-wide rows): the norm's gradient joins the residual
+// gradient, dm = dx + rms_norm_backward(xm, dxn), which then goes through the mix xm = ca x + cb y:
+// dx = ca dm, dy += cb dm, partial[0][block] = sum dm x, partial[1][block] = sum dm y. A warp per
+// row, rows strided over DOT_BLOCKS CTAs (a fixed order: deterministic).
+__global__ void norm_mix_bwd_kernel(const __nv_bfloat16* xm, const __nv_bfloat16* dxn, const float* rstd,
+                                    __nv_bfloat16* dx, const __nv_bfloat16* x, const __nv_bfloat16* y, __nv_bfloat16* dy,
+                                    int rows, Coef ca, Coef cb, float* partial) {
+    constexpr int DIM = 768, V = DIM / 256;
+    const float a = ca.value(), b = cb.value();
+    const int lane = threadIdx.x & 31, warps = gridDim.x * (blockDim.x / 32);
+    float sx = 0.f, sy = 0.f;
+    for (int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < rows; row += warps) {
+        float fx[V][8], fg[V][8];
+        float dot = 0.f;
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            tk::load8(xm + (int64_t)row * DIM + (v * 32 + lane) * 8, fx[v]);
+            tk::load8(dxn + (int64_t)row * DIM + (v * 32 + lane) * 8, fg[v]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) dot += fx[v][e] * fg[v][e];
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+        const float r = rstd[row], c = r * r * dot / DIM;
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            const int64_t o = (int64_t)row * DIM + (v * 32 + lane) * 8;
+            float acc[8], fxi[8], fyi[8], ay[8];
+            tk::load8(dx + o, acc);
+            tk::load8(x + o, fxi);
+            tk::load8(y + o, fyi);
+            tk::load8(dy + o, ay);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float dm = acc[e] + r * (fg[v][e] - fx[v][e] * c);
+                sx += dm * fxi[e], sy += dm * fyi[e];
+                acc[e] = a * dm, ay[e] += b * dm;
+            }
+            tk::store8(dx + o, acc);
+            tk::store8(dy + o, ay);
+        }
+    }
+    __shared__ float red[2][32];
+    const float tx = tk::block_sum0(sx, red[0]), ty = tk::block_sum0(sy, red[1]);
+    if (threadIdx.x == 0) partial[blockIdx.x] = tx, partial[DOT_BLOCKS + blockIdx.x] = ty;
+}
+
 // grad[k] += scale_k * sum of partial[k][*], one warp per target in a fixed order (deterministic)
 __global__ void finish_kernel(const float* partial, float* g0, float s0, float* g1, float s1) {
     const int k = threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -2133,6 +2180,17 @@ inline cudaError_t combine_backward(const __nv_bfloat16* dout, const __nv_bfloat
                                     scal::Coef cb, float* ga, float* gb, float* partial, cudaStream_t stream) {
     if (n % 8) return cudaErrorInvalidValue;
     scal::combine_bwd_kernel<<<scal::DOT_BLOCKS, 256, 0, stream>>>(dout, x, y, dx, dx_accumulate, dy, n / 8, ca, cb, partial);
+    scal::finish_kernel<<<1, 64, 0, stream>>>(partial, ga, ca.scale, gb, cb.scale);
+    return cudaGetLastError();
+}
+// rms_norm_backward(xm, dxn, rstd -> dx, accumulate) then combine_backward(dx, x, y -> dx, dy, ca, cb,
+// ga, gb) in one pass: rows x 768, contiguous (row stride 768). The mix's dx is written in place.
+inline cudaError_t norm_mix_backward(const __nv_bfloat16* xm, const __nv_bfloat16* dxn, const float* rstd,
+                                     __nv_bfloat16* dx, const __nv_bfloat16* x, const __nv_bfloat16* y, __nv_bfloat16* dy,
+                                     int rows, scal::Coef ca, scal::Coef cb, float* ga, float* gb, float* partial,
+                                     cudaStream_t stream) {
+    if (rows <= 0) return cudaSuccess;
+    scal::norm_mix_bwd_kernel<<<scal::DOT_BLOCKS, 256, 0, stream>>>(xm, dxn, rstd, dx, x, y, dy, rows, ca, cb, partial);
     scal::finish_kernel<<<1, 64, 0, stream>>>(partial, ga, ca.scale, gb, cb.scale);
     return cudaGetLastError();
 }

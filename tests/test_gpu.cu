@@ -1039,6 +1039,54 @@ static void gate_case(GateKind kind, int T, uint64_t seed) {
           "%s differs from the fp64 reference", names[(int)kind]);
 }
 
+// a block's first norm and the mixing in one backward pass (norm_mix_backward)
+static void norm_mix_case(int rows, uint64_t seed) {
+    const int D = 768;
+    const size_t n = (size_t)rows * D;
+    std::mt19937_64 rng(seed);
+    std::vector<uint16_t> xm = random_bf16(rng, n, 2.f), dxn = random_bf16(rng, n, 1.f), dx = random_bf16(rng, n, 1.f);
+    std::vector<uint16_t> x = random_bf16(rng, n, 1.f), y = random_bf16(rng, n, 1.f), dy = random_bf16(rng, n, 0.5f);
+    std::vector<float> rstd(rows);
+    std::vector<double> dx_ref(n), dy_ref(n);
+    double sx = 0, sy = 0, mx = 0, my = 0;  // the sums and their terms' root sum of squares
+    for (int r = 0; r < rows; ++r) {
+        double ss = 0, dot = 0;
+        for (int c = 0; c < D; ++c) {
+            const double v = bf16_to_float(xm[(size_t)r * D + c]);
+            ss += v * v, dot += v * bf16_to_float(dxn[(size_t)r * D + c]);
+        }
+        rstd[r] = (float)(1 / std::sqrt(ss / D + 1.1920929e-07));
+        const double rs = rstd[r];
+        for (int c = 0; c < D; ++c) {
+            const size_t i = (size_t)r * D + c;
+            const double dm = bf16_to_float(dx[i]) +
+                              rs * (bf16_to_float(dxn[i]) - bf16_to_float(xm[i]) * rs * rs * dot / D);
+            dx_ref[i] = 1.1 * dm, dy_ref[i] = bf16_to_float(dy[i]) + 0.25 * dm;
+            const double tx = dm * bf16_to_float(x[i]), ty = dm * bf16_to_float(y[i]);
+            sx += tx, sy += ty, mx += tx * tx, my += ty * ty;
+        }
+    }
+    DeviceArray<uint16_t> dxm(xm), ddxn(dxn), ddx(dx), dxx(x), dyy(y), ddy(dy);
+    DeviceArray<float> drstd(rstd), sc(std::vector<float>{1.1f, 0.25f, 0.02f, -0.3f}), partial(2 * scal::DOT_BLOCKS);
+    auto bf = [](uint16_t* p) { return reinterpret_cast<__nv_bfloat16*>(p); };
+    CUDA_CHECK(norm_mix_backward(bf(dxm.ptr), bf(ddxn.ptr), drstd.ptr, bf(ddx.ptr), bf(dxx.ptr), bf(dyy.ptr), bf(ddy.ptr),
+                                 rows, {sc.ptr + 0, 1.f, 0.f}, {sc.ptr + 1, 1.f, 0.f}, sc.ptr + 2, sc.ptr + 3, partial.ptr, 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    auto widen = [](const std::vector<uint16_t>& v) {
+        std::vector<double> o(v.size());
+        for (size_t i = 0; i < v.size(); ++i) o[i] = bf16_to_float(v[i]);
+        return o;
+    };
+    const std::vector<float> g = sc.download();
+    const double e_x = rel_err_d(widen(ddx.download()), dx_ref), e_y = rel_err_d(widen(ddy.download()), dy_ref);
+    const double e_ga = std::fabs(g[2] - (0.02 + sx)) / std::sqrt(mx), e_gb = std::fabs(g[3] - (-0.3 + sy)) / std::sqrt(my);
+    printf("  norm + mix backward rows %5d  rel err: dx %.1e dy %.1e; scalar grads %.1e %.1e (of their terms' rms)\n",
+           rows, e_x, e_y, e_ga, e_gb);
+    CHECK(e_x < 1e-2 && e_y < 1e-2 && e_ga < 1e-3 && e_gb < 1e-3,
+          "norm + mix backward rows %d differs from the fp64 reference (dx %.2e dy %.2e ga %.2e gb %.2e)", rows, e_x, e_y,
+          e_ga, e_gb);
+}
+
 // residual mixing, backout and the sa-lambda weight scaling, with their scalar gradients
 static void scalar_ops_case(int64_t n, uint64_t seed) {
     std::mt19937_64 rng(seed);
@@ -1441,6 +1489,8 @@ static void test_model_kernels() {
     for (GateKind k : {GateKind::ValueEmbedding, GateKind::Output, GateKind::Smear, GateKind::Skip}) gate_case(k, 333, 40 + (int)k);
     scalar_ops_case(768 * 1001, 50);
     scalar_ops_case(2304 * 768, 51);
+    norm_mix_case(1001, 52);
+    norm_mix_case(3, 53);
     relu2_case(8 * 1000 + 8 * 37, 20);
     fp8_cast_case(48, 80, false, false, 100.f / 448, 21);
     fp8_cast_case(96, 160, false, true, 1.6f / 448, 22);
