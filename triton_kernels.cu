@@ -787,6 +787,24 @@ __global__ void fwd_kernel(const __nv_bfloat16* x, int64_t ldx, __nv_bfloat16* y
     }
 }
 
+// a warp's row of x and dy (this lane's DIM/32 values of each) and the row's sum of x dy
+template <int DIM>
+__device__ __forceinline__ float load_row_dot(const __nv_bfloat16* x, const __nv_bfloat16* dy, float fx[][8],
+                                              float fg[][8]) {
+    const int lane = threadIdx.x & 31;
+    float dot = 0.f;
+#pragma unroll
+    for (int v = 0; v < DIM / 256; ++v) {
+        tk::load8(x + (v * 32 + lane) * 8, fx[v]);
+        tk::load8(dy + (v * 32 + lane) * 8, fg[v]);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) dot += fx[v][e] * fg[v][e];
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    return dot;
+}
+
 template <int DIM, bool ACCUMULATE>
 __global__ void bwd_kernel(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* dy, int64_t lddy,
                            const float* rstd, __nv_bfloat16* dx, int64_t lddx, int rows) {
@@ -794,16 +812,7 @@ __global__ void bwd_kernel(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloa
     const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
     if (row >= rows) return;
     float fx[V][8], fg[V][8];
-    float dot = 0.f;
-#pragma unroll
-    for (int v = 0; v < V; ++v) {
-        tk::load8(x + row * ldx + (v * 32 + lane) * 8, fx[v]);
-        tk::load8(dy + row * lddy + (v * 32 + lane) * 8, fg[v]);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) dot += fx[v][e] * fg[v][e];
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    const float dot = load_row_dot<DIM>(x + row * ldx, dy + row * lddy, fx, fg);
     const float r = rstd[row], c = r * r * dot / DIM;
 #pragma unroll
     for (int v = 0; v < V; ++v) {
@@ -2085,16 +2094,7 @@ __global__ void norm_mix_bwd_kernel(const __nv_bfloat16* xm, const __nv_bfloat16
     float sx = 0.f, sy = 0.f;
     for (int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < rows; row += warps) {
         float fx[V][8], fg[V][8];
-        float dot = 0.f;
-#pragma unroll
-        for (int v = 0; v < V; ++v) {
-            tk::load8(xm + (int64_t)row * DIM + (v * 32 + lane) * 8, fx[v]);
-            tk::load8(dxn + (int64_t)row * DIM + (v * 32 + lane) * 8, fg[v]);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) dot += fx[v][e] * fg[v][e];
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+        const float dot = rmsnorm::load_row_dot<DIM>(xm + (int64_t)row * DIM, dxn + (int64_t)row * DIM, fx, fg);
         const float r = rstd[row], c = r * r * dot / DIM;
 #pragma unroll
         for (int v = 0; v < V; ++v) {
