@@ -103,6 +103,7 @@ struct Hyperparameters {
     std::string run_id = "";  // empty: a fresh uuid4
     int64_t val_loss_every = 250;  // 0: only at the end
     bool save_checkpoint = false;
+    bool gemm_autotune = true;  // false: cuBLASLt's heuristic's first choice (bit-reproducible runs)
     // attention masking (windows in blocks of block_size tokens)
     int64_t block_size = 128;
     std::vector<int64_t> ws_schedule = {3, 7, 11};
@@ -258,6 +259,8 @@ static std::vector<Option> options_of(Hyperparameters& a) {
         {"run_id", OptType::STR, &a.run_id, "log name logs/<run_id>.txt (default: a fresh uuid4)"},
         {"val_loss_every", OptType::I64, &a.val_loss_every, "validate every N steps (0: only at the end)"},
         {"save_checkpoint", OptType::BOOL, &a.save_checkpoint, "save the weights to logs/<run_id>/ at the end"},
+        {"gemm_autotune", OptType::BOOL, &a.gemm_autotune,
+         "time each GEMM shape's cuBLASLt candidates on its first call (false: the heuristic's first choice)"},
         {"block_size", OptType::I64, &a.block_size, "attention window unit in tokens"},
         {"ws_schedule", OptType::I64_LIST, &a.ws_schedule, "long window (blocks) by equal parts of the scheduled steps"},
         {"ws_final", OptType::I64, &a.ws_final, "long window (blocks) of the extension steps"},
@@ -2776,7 +2779,7 @@ static int trainer_main(int argc, char** argv) {
     const int64_t eval_local = args.val_batch_size / 8;
     const int64_t max_local = std::max(capacity, eval_local);
     const int max_cu = (int)next_multiple_of_n(max_local / 300, 128);
-    Gemms gemms;
+    Gemms gemms(args.gemm_autotune);
     Model model(params, gemms, args, (int)capacity, (int)eval_local, max_cu);
     NorMuonAndAdam optimizer(params, gemms, args, world_size, rank, comm);
     // the initial weights, restored after the warmup

@@ -342,6 +342,10 @@ static void test_config() {
         Hyperparameters b;
         parse(b, {"--save_checkpoint", "false", "--cycle_data", "--val_tokens", "4194304"});
         CHECK(!b.save_checkpoint && b.cycle_data && b.val_tokens == 4194304, "bare boolean then a flag");
+        Hyperparameters c;
+        CHECK(c.gemm_autotune, "GEMM tuning is on by default");
+        parse(c, {"--gemm_autotune", "false"});
+        CHECK(!c.gemm_autotune, "--gemm_autotune false");
     }
     Hyperparameters base;
     expect_error("unknown flag", [&] { Hyperparameters h; parse(h, {"--learning_rate", "3"}); }, {"unknown flag --learning_rate"});
