@@ -1590,8 +1590,8 @@ class Model {
             if (!fa.training && i == 4) CUDA_CHECK(cudaMemcpyAsync(eval_skip_, x, TD * 2, cudaMemcpyDeviceToDevice, s));
             if (!fa.training && i == 8) CUDA_CHECK(cudaMemcpyAsync(eval_back_, x, TD * 2, cudaMemcpyDeviceToDevice, s));
             // layer i-1's output is checked where this layer first reads it (before the skip changes it)
-            if (i == 6) CUDA_CHECK(check_finite(l.x_in, TD, bad_, i - 1, s));
             if (i == 6) {  // skip from layer 3's output (layer 4's input), gated by x0 (U-net)
+                CUDA_CHECK(check_finite(l.x_in, TD, bad_, i - 1, s));
                 gate::Params sk = row_gate(T, x0_, bf(p_["skip_gate"].data), scalars + SCALAR_SKIP);
                 sk.a = l.x_in, sk.b = skip_source();
                 CUDA_CHECK(gate_forward(GateKind::Skip, sk, s));
@@ -1736,31 +1736,25 @@ class Model {
         g.ld_a = g.ld_b = g.ld_out = g.ld_dout = g.ld_da = g.ld_db = MODEL_DIM;
         return g;
     }
-    // layer i's v as attention reads it (stride: between positions): in the QKV projection, or for
-    // the paired-head layout (positions of half rows) its own contiguous copy; its gradient likewise
-    __nv_bfloat16* value(int i, int64_t& stride) {
-        Layer& l = layer(i);
-        stride = paired_head(i) ? MODEL_DIM / 2 : 3 * MODEL_DIM;
-        return paired_head(i) ? l.v : l.qkv + 2 * MODEL_DIM;
-    }
-    __nv_bfloat16* value_grad(int i, int64_t& stride) {
-        stride = paired_head(i) ? MODEL_DIM / 2 : 3 * MODEL_DIM;
-        return paired_head(i) ? dv_ : dqkv_ + 2 * MODEL_DIM;
-    }
+    // layer i's v and its gradient, rows of value_ld(i): in place in the QKV projection and its
+    // gradient, or for the paired-head layout (positions of half rows) contiguous buffers of their own
+    int64_t value_ld(int i) { return paired_head(i) ? MODEL_DIM : 3 * MODEL_DIM; }
+    __nv_bfloat16* value(int i) { return paired_head(i) ? layer(i).v : layer(i).qkv + 2 * MODEL_DIM; }
+    __nv_bfloat16* value_grad(int i) { return paired_head(i) ? dv_ : dqkv_ + 2 * MODEL_DIM; }
     attn::Params attn_params(int i) {
         Layer& l = layer(i);
         const bool paired = paired_head(i);
         const int64_t stride = paired ? MODEL_DIM / 2 : MODEL_DIM;
         attn::Params ap{};
-        ap.q = l.q, ap.k = l.k, ap.q_stride = ap.k_stride = stride;
-        ap.v = value(i, ap.v_stride);
+        ap.q = l.q, ap.k = l.k, ap.v = value(i), ap.q_stride = ap.k_stride = stride;
+        ap.v_stride = paired ? value_ld(i) / 2 : value_ld(i);
         ap.o = l.y, ap.o_stride = stride, ap.lse = l.lse;
         ap.cu_seqlens = cu_, ap.cu_len = cu_len_, ap.cu_mult = paired ? 2 : 1;
         ap.positions = paired ? 2 * T_ : T_, ap.heads = paired ? NUM_HEADS / 2 : NUM_HEADS;
         ap.window = (int)((long_window(i) ? fa_.ws_long : fa_.ws_short) * args_.block_size);
         ap.scale = (float)fa_.yarn.attn_scale, ap.tiles = tiles_;
-        ap.dout = dy_, ap.dout_stride = stride, ap.dq = dq_, ap.dk = dk_, ap.dq_stride = ap.dk_stride = stride;
-        ap.dv = value_grad(i, ap.dv_stride), ap.delta = delta_;
+        ap.dout = dy_, ap.dout_stride = stride, ap.dq = dq_, ap.dk = dk_, ap.dv = value_grad(i);
+        ap.dq_stride = ap.dk_stride = stride, ap.dv_stride = ap.v_stride, ap.delta = delta_;
         return ap;
     }
     qkrope::Params rope_params(int i) {
@@ -1784,12 +1778,11 @@ class Model {
         CUDA_CHECK(scale_weight(wqkv_, attn_w(i), 3 * D * D, scalars + SCALAR_SA + 2 * i, s));
         gemms_.bf16(s, Op::N, Op::T, T, 3 * D, D, l.xn_a, D, wqkv_, D, l.qkv, 3 * D, false);
         CUDA_CHECK(qk_norm_rope_forward(rope_params(i), s));
-        int64_t v_ld;
-        __nv_bfloat16* v = value(i, v_ld);
+        __nv_bfloat16* v = value(i);
         if (v == l.v) CUDA_CHECK(cudaMemcpy2DAsync(l.v, D * 2, l.qkv + 2 * D, 3 * D * 2, D * 2, T, cudaMemcpyDeviceToDevice, s));
         if (ve_slot(i) >= 0) {
             gate::Params vg = head_gate(i, bf(p_["ve_gate_bank"].data) + ve_gate_index(i) * NUM_HEADS * gate::GW);
-            vg.a = v, vg.ld_a = paired_head(i) ? D : v_ld, vg.b = ve_[ve_slot(i)];
+            vg.a = v, vg.ld_a = value_ld(i), vg.b = ve_[ve_slot(i)];
             CUDA_CHECK(gate_forward(GateKind::ValueEmbedding, vg, s));
         }
         if (profiling_) attn_timer_.begin(s);
@@ -1830,11 +1823,10 @@ class Model {
         CUDA_CHECK(attention_backward(ap, s, true));
         if (profiling_) attn_timer_.end(s);
         // value-embedding gate: v passes through; dve and the gate's input gradient
-        int64_t dv_ld;
-        const __nv_bfloat16* dv = value_grad(i, dv_ld);
+        const __nv_bfloat16* dv = value_grad(i);
         if (ve_slot(i) >= 0) {
             gate::Params vg = head_gate(i, bf(p_["ve_gate_bank"].data) + ve_gate_index(i) * NUM_HEADS * gate::GW);
-            vg.b = ve_[ve_slot(i)], vg.dout = dv, vg.ld_dout = paired_head(i) ? D : dv_ld, vg.db = dve_[ve_slot(i)];
+            vg.b = ve_[ve_slot(i)], vg.dout = dv, vg.ld_dout = value_ld(i), vg.db = dve_[ve_slot(i)];
             vg.dz = dz_;
             CUDA_CHECK(gate_backward(GateKind::ValueEmbedding, vg, dxn_, D,
                                      bf(p_["ve_gate_bank"].grad) + ve_gate_index(i) * NUM_HEADS * gate::GW, nullptr, s));
