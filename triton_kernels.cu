@@ -80,11 +80,23 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// Sum of v over the warp (or over each 16-lane half), in every lane: the same butterfly order
+// every run.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+__device__ __forceinline__ float half_warp_sum(float v) {
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
 // Sum of v over the block, valid in thread 0: warps first, then the warp totals in order (the
 // same bits every run). red: 32 floats of shared memory; has a __syncthreads.
 __device__ __forceinline__ float block_sum0(float v, float* red) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    v = tk::warp_sum(v);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = v;
     __syncthreads();
     float t = 0.f;
@@ -420,8 +432,7 @@ __global__ void attn_bwd_delta_kernel(const Params p) {
         float2 x = __bfloat1622float2(a2[k]), y = __bfloat1622float2(b2[k]);
         sum += x.x * y.x + x.y * y.y;
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    sum = tk::warp_sum(sum);
     if (lane == 0) p.delta[(int64_t)h * p.positions + i] = sum;
 }
 
@@ -684,15 +695,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 
 __device__ __forceinline__ float block_sum(float v, float* red) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    v = tk::warp_sum(v);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (lane == 0) red[warp] = v;
     __syncthreads();
     if (warp == 0) {
         v = lane < THREADS / 32 ? red[lane] : 0.f;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+        v = tk::warp_sum(v);
         if (lane == 0) red[0] = v;
     }
     __syncthreads();
@@ -775,8 +784,7 @@ __global__ void fwd_kernel(const __nv_bfloat16* x, int64_t ldx, __nv_bfloat16* y
 #pragma unroll
         for (int e = 0; e < 8; ++e) ss += f[v][e] * f[v][e];
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    ss = tk::warp_sum(ss);
     const float r = rsqrtf(ss / DIM + eps);
     if (rstd && lane == 0) rstd[row] = r;
 #pragma unroll
@@ -800,8 +808,7 @@ __device__ __forceinline__ float load_row_dot(const __nv_bfloat16* x, const __nv
 #pragma unroll
         for (int e = 0; e < 8; ++e) dot += fx[v][e] * fg[v][e];
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    dot = tk::warp_sum(dot);
     return dot;
 }
 
@@ -1136,19 +1143,11 @@ __global__ void table_kernel(const Freqs fr, int64_t n, __nv_bfloat162* table) {
         table[idx] = __floats2bfloat162_rn(cosf(theta), sinf(theta));
     }
 }
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
-}
+
 // 16 threads per row (token, head, q or k), 8 values each; a warp takes the q and k rows of one
 // (token, head), which share their rotary position. Lanes 0-7 hold the rotated dims 0-63 (pairs
 // 4j..4j+3: one 16-byte table read), lanes 8-15 the unrotated half.
-__device__ __forceinline__ float half_warp_sum(float v) {
-#pragma unroll
-    for (int off = 8; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
-}
+
 // the key offset's dims (32-63 and 96-127) are lanes 4-7 and 12-15 of a row
 __device__ __forceinline__ bool shifted_part(int j) { return j & 4; }
 
@@ -1190,7 +1189,7 @@ __device__ __forceinline__ float inv_rms(const Params& p, const float x[8]) {
     float ss = 0.f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) ss += x[e] * x[e];
-    return rsqrtf(half_warp_sum(ss) / 128.f + p.eps);
+    return rsqrtf(tk::half_warp_sum(ss) / 128.f + p.eps);
 }
 
 __global__ void fwd_kernel(const Params p) {
@@ -1245,7 +1244,7 @@ __global__ void bwd_kernel(const Params p) {
     float dot = 0.f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) dot += dn[e] * x[e];
-    const float cc = r * r * half_warp_sum(dot) / 128.f;
+    const float cc = r * r * tk::half_warp_sum(dot) / 128.f;
     float dx[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) dx[e] = r * (dn[e] - x[e] * cc);
@@ -1442,8 +1441,7 @@ __global__ void __launch_bounds__(1024) variance_rows_kernel(const __nv_bfloat16
             float x = __bfloat162float(row[c]);
             s += x * x;
         }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        s = tk::warp_sum(s);
         const float mean = s / cols;
         float* buf = second_moment + (int64_t)b * rows + r;
         const float m = lerp(*buf, mean, 1.f - beta2);
@@ -1745,16 +1743,11 @@ __device__ __forceinline__ float logit_vec(const Params& p, int t, int h) {
     }
     return bf(s);
 }
-__device__ __forceinline__ float half_warp_sum(float v) {
-#pragma unroll
-    for (int off = 8; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
-}
 __device__ __forceinline__ float dot8(const float a[8], const float b[8]) {
     float s = 0.f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) s += a[e] * b[e];
-    return half_warp_sum(s);
+    return tk::half_warp_sum(s);
 }
 
 // 16 threads per (token, head), 8 of the 128 channels each (whole warps: tokens x heads is even)
@@ -1868,8 +1861,7 @@ __global__ void row_bwd_kernel(const Params p) {
                 for (int e = 0; e < 8; ++e) g[v][e] += a_next * n[e];
             tk::store8(p.da + t * p.ld_da + (v * 32 + lane) * 8, g[v]);
         }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) dsum += __shfl_xor_sync(0xffffffffu, dsum, off);
+        dsum = tk::warp_sum(dsum);
         if (lane == 0) {
             p.dz[t] = t > 0 ? lam * s * (1.f - s) * dsum : 0.f;
             p.dlam_rows[t] = s * dsum;
@@ -1887,8 +1879,7 @@ __global__ void row_bwd_kernel(const Params p) {
             for (int e = 0; e < 8; ++e) dsum += g[v][e] * sk[e], acc[e] += c * 2.f * s * g[v][e];
             tk::store8(p.db + t * p.ld_db + (v * 32 + lane) * 8, acc);
         }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) dsum += __shfl_xor_sync(0xffffffffu, dsum, off);
+        dsum = tk::warp_sum(dsum);
         if (lane == 0) {
             p.dz[t] = c * 2.f * s * (1.f - s) * dsum;
             p.dlam_rows[t] = c * (1.f - c) * 2.f * s * dsum;
@@ -1942,12 +1933,12 @@ __global__ void __launch_bounds__(256) gate_weight_partial_kernel(const Params p
         if (h >= p.heads) break;
 #pragma unroll
         for (int j = 0; j < GW; ++j) {
-            const float v = qkrope::warp_sum(acc[h][j]);
+            const float v = tk::warp_sum(acc[h][j]);
             if (lane == 0) red[warp][h * GW + j] = v;
         }
     }
     if (with_lambda) {
-        const float v = qkrope::warp_sum(lam);
+        const float v = tk::warp_sum(lam);
         if (lane == 0) red[warp][p.heads * GW] = v;
     }
     __syncthreads();
@@ -2126,8 +2117,7 @@ __global__ void finish_kernel(const float* partial, float* g0, float s0, float* 
     if (!g) return;
     float t = 0.f;
     for (int i = lane; i < DOT_BLOCKS; i += 32) t += partial[k * DOT_BLOCKS + i];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
+    t = tk::warp_sum(t);
     if (lane == 0) *g += t * (k == 0 ? s0 : s1);
 }
 
