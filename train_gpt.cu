@@ -51,8 +51,83 @@ extern char** environ;
 // -----------------------------------------------------------------------------
 // Hyperparameters: every number of record 61 that a researcher may want to change, with the
 // record's value as default. Each is a command-line flag of the same name (`--val_tokens 2097152`
-// or `--val_tokens=2097152`); lists are comma-separated (`--ws_schedule 3,7,11`).
-// The model's shape (vocab, layers, heads, dims) is fixed by the parameter banks: fork to change it.
+// or `--val_tokens=2097152`); lists are comma-separated (`--ws_schedule 3,7,11`). This one list
+// makes the struct's members, the flags, `--help` and the logged configuration: a new knob is one
+// line. Columns: flag type (I64, U64, F64, STR, BOOL, I64_LIST, F64_LIST), name, default, help.
+
+#define HYPERPARAMETERS(X)                                                                                          \
+    /* data */                                                                                                      \
+    X(STR, train_files, "data/fineweb10B/fineweb_train_*.bin", "train shards (glob, joined to $DATA_PATH)")          \
+    X(STR, val_files, "data/fineweb10B/fineweb_val_*.bin", "validation shards (glob, joined to $DATA_PATH)")         \
+    X(I64, val_tokens, 10485760, "validation tokens per evaluation (fixed for comparable runs)")                    \
+    /* batch sizes (tokens per step over all ranks) */                                                              \
+    X(I64_LIST, train_bs_schedule, LIST(8 * 2048 * 8, 16 * 2048 * 8, 24 * 2048 * 8),                                \
+      "tokens/step, by equal parts of the scheduled steps")                                                         \
+    X(I64, train_bs_extension, 24 * 2048 * 8, "tokens/step in the extension steps")                                 \
+    X(I64, train_max_seq_len, 128 * 16, "documents are cut at this length")                                         \
+    X(I64, val_batch_size, 4 * 64 * 1024 * 8, "validation tokens per step over all ranks")                          \
+    /* optimization */                                                                                              \
+    X(I64, num_scheduled_iterations, 1725, "steps of the lr/window schedules")                                      \
+    X(I64, num_extension_iterations, 40, "steps after the schedules, at the final lr and windows")                  \
+    X(F64, cooldown_frac, 0.50, "fraction of scheduled steps in lr cooldown")                                       \
+    X(F64, split_embed_frac, 2.0 / 3.0, "embed unties from lm_head at this fraction (on an odd step)")              \
+    X(F64_LIST, lr_max_schedule, LIST(1.0, 1.52, 1.73),                                                             \
+      "lr multiplier by equal parts of the scheduled steps ((16/8)^0.6, (24/8)^0.5)")                               \
+    X(F64, lr_min, 0.1, "lr multiplier at the end of the cooldown")                                                 \
+    X(I64, muon_warmup_steps, 300, "NorMuon momentum warmup steps")                                                 \
+    X(I64, muon_cooldown_steps, 50, "NorMuon momentum cooldown steps")                                              \
+    X(F64, momentum_min, 0.85, "NorMuon momentum at the start and the end")                                         \
+    X(F64, momentum_max, 0.95, "NorMuon momentum in between")                                                       \
+    X(F64, adam_lr, 0.008, "Adam learning rate")                                                                    \
+    X(F64, adam_eps, 1e-10, "Adam epsilon")                                                                         \
+    X(F64, adam_weight_decay, 0.005, "Adam (cautious) weight decay")                                                \
+    X(F64, normuon_lr, 0.023, "NorMuon learning rate")                                                              \
+    X(F64, normuon_beta2, 0.95, "NorMuon second-moment decay")                                                      \
+    X(F64, normuon_weight_decay, 1.2, "NorMuon (cautious) weight decay")                                            \
+    /* fp8 lm_head static scales (@YouJiacheng) and logit soft-cap a*sigmoid((l+b)/c) (@classiclarryd) */           \
+    X(F64, lm_head_x_s, 100.0 / 448, "fp8 lm_head activation scale")                                                \
+    X(F64, lm_head_w_s, 1.6 / 448, "fp8 lm_head weight scale")                                                      \
+    X(F64, lm_head_grad_s, 0.75 / 448, "fp8 lm_head gradient scale")                                                \
+    X(F64, softcap_a, 23.0, "logits soft-cap a*sigmoid((l+b)/c)")                                                   \
+    X(F64, softcap_b, 5.0, "logits soft-cap offset b")                                                              \
+    X(F64, softcap_c, 7.5, "logits soft-cap divisor c")                                                             \
+    /* evaluation and logging */                                                                                    \
+    X(STR, run_id, "", "log name logs/<run_id>.txt (default: a fresh uuid4)")                                       \
+    X(I64, val_loss_every, 250, "validate every N steps (0: only at the end)")                                      \
+    X(BOOL, save_checkpoint, false, "save the weights to logs/<run_id>/ at the end")                                \
+    X(BOOL, gemm_autotune, true,                                                                                    \
+      "time each GEMM shape's cuBLASLt candidates on its first call (false: the heuristic's first choice)")         \
+    /* attention masking (windows in blocks of block_size tokens) */                                                \
+    X(I64, block_size, 128, "attention window unit in tokens")                                                      \
+    X(I64_LIST, ws_schedule, LIST(3, 7, 11), "long window (blocks) by equal parts of the scheduled steps")          \
+    X(I64, ws_final, 13, "long window (blocks) of the extension steps (@classiclarryd)")                            \
+    X(I64, ws_validate_post_yarn_ext, 20, "long window (blocks) of the final validation, no new YaRN update")       \
+    X(F64, attn_scale_init, 0.1, "attention softmax scale before YaRN updates")                                     \
+    X(I64, yarn_alpha, 1, "YaRN interpolation ramp start (rotations)")                                              \
+    X(I64, yarn_beta, 32, "YaRN interpolation ramp end (rotations)")                                                \
+    /* trainer */                                                                                                   \
+    X(U64, seed, 0, "seed of the model initialisation")                                                             \
+    X(BOOL, cycle_data, false, "cycle the train files instead of stopping at their end (multi-epoch)")
+
+#define LIST(...) {__VA_ARGS__}
+enum class OptType { I64, U64, F64, STR, BOOL, I64_LIST, F64_LIST };
+using OptCType_I64 = int64_t;
+using OptCType_U64 = uint64_t;
+using OptCType_F64 = double;
+using OptCType_STR = std::string;
+using OptCType_BOOL = bool;
+using OptCType_I64_LIST = std::vector<int64_t>;
+using OptCType_F64_LIST = std::vector<double>;
+
+struct Hyperparameters {
+#define DECLARE_HYPERPARAMETER(type, name, value, help) OptCType_##type name = value;
+    HYPERPARAMETERS(DECLARE_HYPERPARAMETER)
+#undef DECLARE_HYPERPARAMETER
+    int64_t num_iterations() const { return num_scheduled_iterations + num_extension_iterations; }
+};
+
+// -----------------------------------------------------------------------------
+// The model's shape. The parameter banks are sized from these and from the layer table below.
 
 constexpr int VOCAB_SIZE = 50257;
 constexpr int PADDED_VOCAB_SIZE = 50304;  // next multiple of 128: only 50257 GPT-2 tokens exist
@@ -60,64 +135,86 @@ constexpr int NUM_LAYERS = 11;
 constexpr int NUM_HEADS = 6;
 constexpr int HEAD_DIM = 128;
 constexpr int MODEL_DIM = 768;
+constexpr int NUM_VALUE_EMBEDS = 3;  // ve0, ve1, ve2
 constexpr int BOS_ID = 50256;
 constexpr int SHARD_MAGIC = 20240520;
 constexpr int SHARD_VERSION = 1;
 constexpr int SHARD_HEADER_INTS = 256;
 
-struct Hyperparameters {
-    // data
-    std::string train_files = "data/fineweb10B/fineweb_train_*.bin";  // joined to $DATA_PATH
-    std::string val_files = "data/fineweb10B/fineweb_val_*.bin";
-    int64_t val_tokens = 10485760;  // fixed for comparable runs
-    // batch sizes (tokens per step over all ranks)
-    std::vector<int64_t> train_bs_schedule = {8 * 2048 * 8, 16 * 2048 * 8, 24 * 2048 * 8};
-    int64_t train_bs_extension = 24 * 2048 * 8;
-    int64_t train_max_seq_len = 128 * 16;
-    int64_t val_batch_size = 4 * 64 * 1024 * 8;
-    // optimization
-    int64_t num_scheduled_iterations = 1725;  // steps of the lr and window schedules
-    int64_t num_extension_iterations = 40;    // steps at the final lr and windows
-    double cooldown_frac = 0.50;              // fraction of the scheduled steps spent cooling down
-    double split_embed_frac = 2.0 / 3.0;      // embed unties from lm_head here (on an odd step)
-    std::vector<double> lr_max_schedule = {1.0, 1.52, 1.73};  // by thirds: (16/8)^0.6, (24/8)^0.5
-    double lr_min = 0.1;                      // lr multiplier at the end of the cooldown
-    int64_t muon_warmup_steps = 300;
-    int64_t muon_cooldown_steps = 50;
-    double momentum_min = 0.85;
-    double momentum_max = 0.95;
-    double adam_lr = 0.008;
-    double adam_eps = 1e-10;
-    double adam_weight_decay = 0.005;
-    double normuon_lr = 0.023;
-    double normuon_beta2 = 0.95;
-    double normuon_weight_decay = 1.2;
-    // fp8 lm_head static scales (@YouJiacheng) and logit soft-cap 23*sigmoid((l+5)/7.5)
-    double lm_head_x_s = 100.0 / 448;
-    double lm_head_w_s = 1.6 / 448;
-    double lm_head_grad_s = 0.75 / 448;
-    double softcap_a = 23.0;
-    double softcap_b = 5.0;
-    double softcap_c = 7.5;
-    // evaluation and logging
-    std::string run_id = "";  // empty: a fresh uuid4
-    int64_t val_loss_every = 250;  // 0: only at the end
-    bool save_checkpoint = false;
-    bool gemm_autotune = true;  // false: cuBLASLt's heuristic's first choice (bit-reproducible runs)
-    // attention masking (windows in blocks of block_size tokens)
-    int64_t block_size = 128;
-    std::vector<int64_t> ws_schedule = {3, 7, 11};
-    int64_t ws_final = 13;                   // extension steps and final validation short/long
-    int64_t ws_validate_post_yarn_ext = 20;  // final validation long window, no new YaRN update
-    double attn_scale_init = 0.1;
-    int64_t yarn_alpha = 1;
-    int64_t yarn_beta = 32;
-    // trainer
-    uint64_t seed = 0;        // model initialisation
-    bool cycle_data = false;  // wrap around the train files (multi-epoch) instead of stopping
-
-    int64_t num_iterations() const { return num_scheduled_iterations + num_extension_iterations; }
+// The layer layout, one row per layer (the record's skip_in / skip_out / backout_layer,
+// paired_head_layers, bm_sizes, key_offset and the ve list, in one place). Every layer has an MLP.
+//   attn:  None (no attention: layer 6, @YouJiacheng), Normal, or Paired (paired-head attention)
+//   long:  the long window (else the short one), with the partial key offset of long windows
+//   ve:    the value embedding added to v (0-2 for ve0-ve2, -1: none); 012 ... 012 structure by
+//          @YouJiacheng, improved on @leloykun's U-net, dropping the first layer makes it .12 ... 012
+// The attention bank, the attention-gate bank and the value-embedding-gate bank give one slot to
+// each layer that uses them, in layer order (attn_slot(), ve_gate_slot() below).
+enum class AttnKind { None, Normal, Paired };
+struct LayerSpec {
+    AttnKind attn;
+    bool long_window;
+    int ve;
 };
+constexpr LayerSpec LAYERS[] = {
+    //  attn               long   ve
+    {AttnKind::Paired, false, 1},   // 0
+    {AttnKind::Normal, false, 2},   // 1
+    {AttnKind::Paired, false, -1},  // 2
+    {AttnKind::Normal, true, -1},   // 3
+    {AttnKind::Normal, false, -1},  // 4
+    {AttnKind::Paired, false, -1},  // 5
+    {AttnKind::None, false, -1},    // 6
+    {AttnKind::Normal, false, -1},  // 7
+    {AttnKind::Normal, false, 0},   // 8
+    {AttnKind::Paired, false, 1},   // 9
+    {AttnKind::Normal, true, 2},    // 10
+};
+constexpr int SKIP_IN = 3;        // this layer's output is the U-net skip's source (long window)
+constexpr int SKIP_OUT = 6;       // it joins this layer's input, gated by x0 (no attention there)
+constexpr int BACKOUT_LAYER = 7;  // this layer's output is backed out before the head (@classiclarryd)
+
+constexpr bool has_attention(int layer) { return LAYERS[layer].attn != AttnKind::None; }
+constexpr bool paired_head(int layer) { return LAYERS[layer].attn == AttnKind::Paired; }
+constexpr bool long_window(int layer) { return LAYERS[layer].long_window; }
+constexpr bool has_value_embed(int layer) { return LAYERS[layer].ve >= 0; }
+// bank slots: layer i's index into the attention (and attention-gate) bank, the ve-gate bank
+constexpr int attn_slot(int layer) {
+    int n = 0;
+    for (int i = 0; i < layer; ++i) n += has_attention(i);
+    return n;
+}
+constexpr int ve_gate_slot(int layer) {
+    int n = 0;
+    for (int i = 0; i < layer; ++i) n += has_value_embed(i);
+    return n;
+}
+constexpr int NUM_ATTN_LAYERS = attn_slot(NUM_LAYERS);
+constexpr int NUM_VE_LAYERS = ve_gate_slot(NUM_LAYERS);
+// Bank sizes. NorMuon shards a bank's matrices evenly over up to 8 ranks: the attention bank holds
+// 4 (q, k, v, o) per slot, the MLP bank 2 (c_fc, c_proj) per slot, each padded with unused slots
+// where needed (the record pads the MLP bank's 11 layers to 12).
+constexpr int ATTN_BANK_SLOTS = (NUM_ATTN_LAYERS + 1) / 2 * 2;
+constexpr int MLP_BANK_SLOTS = (NUM_LAYERS + 3) / 4 * 4;
+constexpr int ATTN_GATE_BANK_SLOTS = NUM_ATTN_LAYERS;
+constexpr int VE_GATE_BANK_SLOTS = NUM_VE_LAYERS;
+
+constexpr bool layer_table_is_valid() {
+    for (const LayerSpec& l : LAYERS) {
+        if (l.ve < -1 || l.ve >= NUM_VALUE_EMBEDS) return false;                   // a value embedding that exists
+        if (l.attn == AttnKind::None && (l.ve >= 0 || l.long_window)) return false;  // v and windows need attention
+    }
+    return true;
+}
+static_assert(sizeof(LAYERS) / sizeof(LAYERS[0]) == NUM_LAYERS, "the layer table needs one row per layer");
+static_assert(layer_table_is_valid(), "a layer without attention has no window or value embedding; ve is -1 or 0-2");
+static_assert(0 <= SKIP_IN && SKIP_IN < SKIP_OUT && SKIP_OUT < NUM_LAYERS, "the skip goes forward, between layers");
+static_assert(0 <= BACKOUT_LAYER && BACKOUT_LAYER < NUM_LAYERS - 1, "the backout source is a layer before the last");
+static_assert(ATTN_BANK_SLOTS >= NUM_ATTN_LAYERS && ATTN_GATE_BANK_SLOTS == NUM_ATTN_LAYERS,
+              "the attention bank holds a slot per attention layer, the attention-gate bank one each");
+static_assert(VE_GATE_BANK_SLOTS == NUM_VE_LAYERS, "the value-embedding gate bank holds one slot per ve layer");
+static_assert(MLP_BANK_SLOTS >= NUM_LAYERS, "the MLP bank holds a slot per layer");
+static_assert(ATTN_BANK_SLOTS * 4 % 8 == 0 && MLP_BANK_SLOTS * 2 % 8 == 0,
+              "NorMuon banks shard their matrices evenly over 8 ranks");
 
 // -----------------------------------------------------------------------------
 // Helpers: errors. Library code throws (so tests can check the message); main() turns an
@@ -154,6 +251,21 @@ static bool g_mpi_up = false;
     fflush(stderr);
     if (g_mpi_up && g_world_size > 1) MPI_Abort(MPI_COMM_WORLD, 1);
     exit(1);
+}
+
+static FILE* g_logfile = nullptr;
+
+// rank 0 writes the log; console=true also prints to stdout
+static void print0(const std::string& s, bool console = false) {
+    if (g_rank != 0) return;
+    if (g_logfile) {
+        fprintf(g_logfile, "%s\n", s.c_str());
+        fflush(g_logfile);
+    }
+    if (console) {
+        printf("%s\n", s.c_str());
+        fflush(stdout);
+    }
 }
 
 #define CUDA_CHECK(call)                                                                         \
@@ -216,8 +328,6 @@ static int64_t next_multiple_of_n(int64_t v, int64_t n) { return v <= 0 ? n : (v
 // -----------------------------------------------------------------------------
 // Configuration: the flags, their parsing and the resolved configuration that goes in the log.
 
-enum class OptType { I64, U64, F64, STR, BOOL, I64_LIST, F64_LIST };
-
 struct Option {
     const char* name;
     OptType type;
@@ -225,52 +335,11 @@ struct Option {
     const char* help;
 };
 
+// the flags of a Hyperparameters, in the list's order (the order of --help and of the log)
 static std::vector<Option> options_of(Hyperparameters& a) {
-    return {
-        {"train_files", OptType::STR, &a.train_files, "train shards (glob, joined to $DATA_PATH)"},
-        {"val_files", OptType::STR, &a.val_files, "validation shards (glob, joined to $DATA_PATH)"},
-        {"val_tokens", OptType::I64, &a.val_tokens, "validation tokens per evaluation"},
-        {"train_bs_schedule", OptType::I64_LIST, &a.train_bs_schedule, "tokens/step, by equal parts of the scheduled steps"},
-        {"train_bs_extension", OptType::I64, &a.train_bs_extension, "tokens/step in the extension steps"},
-        {"train_max_seq_len", OptType::I64, &a.train_max_seq_len, "documents are cut at this length"},
-        {"val_batch_size", OptType::I64, &a.val_batch_size, "validation tokens per step over all ranks"},
-        {"num_scheduled_iterations", OptType::I64, &a.num_scheduled_iterations, "steps of the lr/window schedules"},
-        {"num_extension_iterations", OptType::I64, &a.num_extension_iterations, "steps after the schedules"},
-        {"cooldown_frac", OptType::F64, &a.cooldown_frac, "fraction of scheduled steps in lr cooldown"},
-        {"split_embed_frac", OptType::F64, &a.split_embed_frac, "embed unties from lm_head at this fraction"},
-        {"lr_max_schedule", OptType::F64_LIST, &a.lr_max_schedule, "lr multiplier by equal parts of the scheduled steps"},
-        {"lr_min", OptType::F64, &a.lr_min, "lr multiplier at the end of the cooldown"},
-        {"muon_warmup_steps", OptType::I64, &a.muon_warmup_steps, "NorMuon momentum warmup steps"},
-        {"muon_cooldown_steps", OptType::I64, &a.muon_cooldown_steps, "NorMuon momentum cooldown steps"},
-        {"momentum_min", OptType::F64, &a.momentum_min, "NorMuon momentum at the start and the end"},
-        {"momentum_max", OptType::F64, &a.momentum_max, "NorMuon momentum in between"},
-        {"adam_lr", OptType::F64, &a.adam_lr, "Adam learning rate"},
-        {"adam_eps", OptType::F64, &a.adam_eps, "Adam epsilon"},
-        {"adam_weight_decay", OptType::F64, &a.adam_weight_decay, "Adam (cautious) weight decay"},
-        {"normuon_lr", OptType::F64, &a.normuon_lr, "NorMuon learning rate"},
-        {"normuon_beta2", OptType::F64, &a.normuon_beta2, "NorMuon second-moment decay"},
-        {"normuon_weight_decay", OptType::F64, &a.normuon_weight_decay, "NorMuon (cautious) weight decay"},
-        {"lm_head_x_s", OptType::F64, &a.lm_head_x_s, "fp8 lm_head activation scale"},
-        {"lm_head_w_s", OptType::F64, &a.lm_head_w_s, "fp8 lm_head weight scale"},
-        {"lm_head_grad_s", OptType::F64, &a.lm_head_grad_s, "fp8 lm_head gradient scale"},
-        {"softcap_a", OptType::F64, &a.softcap_a, "logits soft-cap a*sigmoid((l+b)/c)"},
-        {"softcap_b", OptType::F64, &a.softcap_b, "logits soft-cap offset b"},
-        {"softcap_c", OptType::F64, &a.softcap_c, "logits soft-cap divisor c"},
-        {"run_id", OptType::STR, &a.run_id, "log name logs/<run_id>.txt (default: a fresh uuid4)"},
-        {"val_loss_every", OptType::I64, &a.val_loss_every, "validate every N steps (0: only at the end)"},
-        {"save_checkpoint", OptType::BOOL, &a.save_checkpoint, "save the weights to logs/<run_id>/ at the end"},
-        {"gemm_autotune", OptType::BOOL, &a.gemm_autotune,
-         "time each GEMM shape's cuBLASLt candidates on its first call (false: the heuristic's first choice)"},
-        {"block_size", OptType::I64, &a.block_size, "attention window unit in tokens"},
-        {"ws_schedule", OptType::I64_LIST, &a.ws_schedule, "long window (blocks) by equal parts of the scheduled steps"},
-        {"ws_final", OptType::I64, &a.ws_final, "long window (blocks) of the extension steps"},
-        {"ws_validate_post_yarn_ext", OptType::I64, &a.ws_validate_post_yarn_ext, "long window (blocks) of the final validation"},
-        {"attn_scale_init", OptType::F64, &a.attn_scale_init, "attention softmax scale before YaRN updates"},
-        {"yarn_alpha", OptType::I64, &a.yarn_alpha, "YaRN interpolation ramp start (rotations)"},
-        {"yarn_beta", OptType::I64, &a.yarn_beta, "YaRN interpolation ramp end (rotations)"},
-        {"seed", OptType::U64, &a.seed, "seed of the model initialisation"},
-        {"cycle_data", OptType::BOOL, &a.cycle_data, "cycle the train files instead of stopping at their end"},
-    };
+#define OPTION_OF_HYPERPARAMETER(type, name, value, help) {#name, OptType::type, &a.name, help},
+    return {HYPERPARAMETERS(OPTION_OF_HYPERPARAMETER)};
+#undef OPTION_OF_HYPERPARAMETER
 }
 
 static std::string format_double(double v) {
@@ -752,8 +821,14 @@ class Gemms {
 
 // -----------------------------------------------------------------------------
 // Optimizer (NorMuonAndAdam): one optimizer configured per parameter by a table, no parameter
-// groups (record 61). This part is the table, the model's parameter banks, and how each is sharded
-// over the ranks; the update kernels and the communication come with the optimizer itself.
+// groups (record 61). This part is the table, the orders, and how each parameter is sharded over
+// the ranks; the update kernels and the communication come with the optimizer itself.
+//   Muon (MomentUm Orthogonalized by Newton-Schulz, https://kellerjordan.github.io/posts/muon/)
+//   with Polar Express in place of Newton-Schulz, NorMuon's low-rank variance estimator
+//   (https://arxiv.org/pdf/2510.05491), cautious weight decay and mantissa tracking, for the
+//   projection banks; Adam with bias correction and cautious weight decay for the rest.
+//   Contributors include @YouJiacheng, @KonstantinWilleke, @alexrgilbert, @adricarda,
+//   @tuttyfrutyee, @vdlad, @ryanyang0, @vagrawal, @varunneal, @chrisjmccormick.
 
 enum class Optim { Adam, NorMuon };
 enum class Comms { None, Replicated, Sharded };  // None: world size 1, no communication at all
@@ -761,27 +836,39 @@ enum class Comms { None, Replicated, Sharded };  // None: world size 1, no commu
 struct ParamTableEntry {
     const char* label;
     Optim optim;
-    Comms comms;
-    double beta1, beta2;  // Adam betas
-    double lr_mul, wd_mul;
+    Comms comms;   // sharded: reduce-scatter, update a shard, all-gather; replicated: all-reduce
+    double beta1;  // Adam's betas (NorMuon's momentum and beta2 are hyperparameters)
+    double beta2;
+    double lr_mul;  // per-parameter learning rate and weight decay multipliers
+    double wd_mul;
+};
+constexpr ParamTableEntry normuon(const char* label, Comms comms) { return {label, Optim::NorMuon, comms, 0, 0, 1.0, 1.0}; }
+constexpr ParamTableEntry adam(const char* label, Comms comms, double beta1, double beta2, double lr_mul = 1.0,
+                               double wd_mul = 1.0) {
+    return {label, Optim::Adam, comms, beta1, beta2, lr_mul, wd_mul};
+}
+
+// Scalars are given higher momentum terms to smooth learning (@ChrisJMcCormick).
+static const ParamTableEntry param_table[] = {
+    //       label             comms              adam_betas   lr_mul  wd_mul
+    normuon("attn",           Comms::Sharded),
+    normuon("mlp",            Comms::Sharded),
+    adam(   "scalars",        Comms::Replicated, 0.9,  0.99,  5.0,    0.0),
+    adam(   "ve0",            Comms::Sharded,    0.75, 0.95,  75.0,   5.0),
+    adam(   "ve1",            Comms::Sharded,    0.75, 0.95,  75.0,   5.0),
+    adam(   "ve2",            Comms::Sharded,    0.75, 0.95,  75.0,   5.0),
+    adam(   "smear_gate",     Comms::Replicated, 0.9,  0.99,  0.01,   0.0),
+    adam(   "skip_gate",      Comms::Replicated, 0.9,  0.99,  0.05,   0.0),
+    adam(   "attn_gate_bank", Comms::Replicated, 0.9,  0.99),
+    adam(   "ve_gate_bank",   Comms::Replicated, 0.9,  0.99),
+    adam(   "x0_lambdas",     Comms::Replicated, 0.65, 0.95,  5.0,    0.0),
+    adam(   "lm_head",        Comms::Sharded,    0.5,  0.95,  1.0,    150.0),
+    adam(   "embed",          Comms::Sharded,    0.5,  0.95,  1.0,    150.0),
 };
 
-// Reduces are launched in this order (scatter_order).
-static const ParamTableEntry param_table[] = {
-    {"attn", Optim::NorMuon, Comms::Sharded, 0, 0, 1.0, 1.0},
-    {"mlp", Optim::NorMuon, Comms::Sharded, 0, 0, 1.0, 1.0},
-    {"scalars", Optim::Adam, Comms::Replicated, 0.9, 0.99, 5.0, 0.0},
-    {"ve0", Optim::Adam, Comms::Sharded, 0.75, 0.95, 75.0, 5.0},
-    {"ve1", Optim::Adam, Comms::Sharded, 0.75, 0.95, 75.0, 5.0},
-    {"ve2", Optim::Adam, Comms::Sharded, 0.75, 0.95, 75.0, 5.0},
-    {"smear_gate", Optim::Adam, Comms::Replicated, 0.9, 0.99, 0.01, 0.0},
-    {"skip_gate", Optim::Adam, Comms::Replicated, 0.9, 0.99, 0.05, 0.0},
-    {"attn_gate_bank", Optim::Adam, Comms::Replicated, 0.9, 0.99, 1.0, 1.0},
-    {"ve_gate_bank", Optim::Adam, Comms::Replicated, 0.9, 0.99, 1.0, 1.0},
-    {"x0_lambdas", Optim::Adam, Comms::Replicated, 0.65, 0.95, 5.0, 0.0},
-    {"lm_head", Optim::Adam, Comms::Sharded, 0.5, 0.95, 1.0, 150.0},
-    {"embed", Optim::Adam, Comms::Sharded, 0.5, 0.95, 1.0, 150.0},
-};
+// Reduces are launched in this order (the record: the table's order).
+static const char* const scatter_order[] = {"attn", "mlp", "scalars", "ve0", "ve1", "ve2", "smear_gate", "skip_gate",
+                                            "attn_gate_bank", "ve_gate_bank", "x0_lambdas", "lm_head", "embed"};
 
 // Updates run in this order: small parameters while the large reduces finish, lm_head before
 // embed (embed is lm_head^T while tied), the banks (Polar Express) last to overlap the most.
@@ -800,30 +887,14 @@ struct ParamShape {
     }
 };
 
-// The record-61 parameters, banks in one allocation each (@chrisjmccormick's parameter banks).
-// scalars: resid lambdas (11), sa lambdas (2 x 11), smear, backout, skip lambdas, padded with ones
-// to a multiple of the world size so it can be reduced evenly.
-static std::vector<ParamShape> model_params(int world_size) {
-    const int64_t attn_layers = NUM_LAYERS - 1;    // layer 6 has no attention
-    const int64_t mlp_banked = NUM_LAYERS + 1;     // slot 11 pads the bank to 24 matrices
-    const int64_t n_scalars = 3 * NUM_LAYERS + 3;
-    const int64_t pad = (world_size - n_scalars % world_size) % world_size;
-    return {
-        {"attn", {attn_layers, 4 * MODEL_DIM, MODEL_DIM}, {attn_layers * 4, MODEL_DIM, MODEL_DIM}},
-        {"mlp", {mlp_banked, 2, 4 * MODEL_DIM, MODEL_DIM}, {mlp_banked * 2, 4 * MODEL_DIM, MODEL_DIM}},
-        {"scalars", {n_scalars + pad}, {}, true},
-        {"ve0", {PADDED_VOCAB_SIZE, MODEL_DIM}, {}},
-        {"ve1", {PADDED_VOCAB_SIZE, MODEL_DIM}, {}},
-        {"ve2", {PADDED_VOCAB_SIZE, MODEL_DIM}, {}},
-        {"smear_gate", {1, 12}, {}},
-        {"skip_gate", {1, 12}, {}},
-        {"attn_gate_bank", {attn_layers, NUM_HEADS, 12}, {}},
-        {"ve_gate_bank", {5, NUM_HEADS, 12}, {}},
-        {"x0_lambdas", {NUM_LAYERS}, {}, true},
-        {"lm_head", {MODEL_DIM, PADDED_VOCAB_SIZE}, {}},  // transposed: (in, out) (@ChrisJMcCormick)
-        {"embed", {PADDED_VOCAB_SIZE, MODEL_DIM}, {}},
-    };
-}
+// The model's parameters and their initial values, defined with the model (the record's
+// GPT.__init__) below.
+static std::vector<ParamShape> model_params(int world_size);
+struct HostParam {  // one parameter's values on the host: bf16 parameters as raw bits, fp32 as floats
+    std::vector<uint16_t> bf16;
+    std::vector<float> fp32;
+};
+static HostParam init_param(const ParamShape& ps, uint64_t seed, const HostParam* lm_head = nullptr);
 
 // One parameter's resolved optimizer configuration on one rank.
 struct ParamConfig {
@@ -896,8 +967,15 @@ static std::vector<ParamConfig> build_param_configs(const Hyperparameters& a, co
     for (const ParamTableEntry& e : param_table)
         if (std::none_of(cfgs.begin(), cfgs.end(), [&](const ParamConfig& c) { return c.label == e.label; }))
             fail(std::string("param_table entry '") + e.label + "' matches no parameter");
-    for (const char* label : work_order) table_entry(label);
-    if (std::size(work_order) != std::size(param_table)) fail("work_order must name every parameter exactly once");
+    // as the record asserts: each order names every parameter exactly once
+    for (auto [name, order, n] : {std::tuple{"scatter_order", scatter_order, std::size(scatter_order)},
+                                  std::tuple{"work_order", work_order, std::size(work_order)}}) {
+        std::vector<std::string> labels(order, order + n);
+        for (const std::string& l : labels) table_entry(l);
+        std::sort(labels.begin(), labels.end());
+        if (labels.size() != std::size(param_table) || std::unique(labels.begin(), labels.end()) != labels.end())
+            fail(std::string(name) + " must name every parameter exactly once");
+    }
     return cfgs;
 }
 
@@ -922,8 +1000,8 @@ static std::vector<PlanStep> step_plan(const std::vector<ParamConfig>& cfgs, boo
     };
     std::vector<PlanStep> plan;
     std::vector<std::string> reduced;
-    for (const ParamTableEntry& e : param_table) {
-        const ParamConfig& c = cfg(e.label);
+    for (const char* label : scatter_order) {
+        const ParamConfig& c = cfg(label);
         if (c.optim == Optim::Adam && !do_adam) continue;
         if (c.label == "lm_head" && !split) plan.push_back({PlanOp::AddTransposed, "embed->lm_head"});
         if (c.label == "embed" && !split) continue;
@@ -946,65 +1024,6 @@ static std::string plan_text(const std::vector<PlanStep>& plan) {
     std::string s;
     for (const PlanStep& p : plan) s += (s.empty() ? "" : " ") + std::string(names[(int)p.op]) + "(" + p.label + ")";
     return s;
-}
-
-// Offsets into scalars: resid lambdas, sa lambdas (2 per layer), smear, backout, skip, padding ones.
-constexpr int SCALAR_RESID = 0, SCALAR_SA = NUM_LAYERS, SCALAR_SMEAR = 3 * NUM_LAYERS, SCALAR_BACKOUT = SCALAR_SMEAR + 1,
-              SCALAR_SKIP = SCALAR_SMEAR + 2;
-
-static uint16_t bf16_bits(float f) {  // round to nearest even, as .bfloat16()
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7f800000u) == 0x7f800000u) return (uint16_t)(u >> 16);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-// Initial values of one parameter on the host, as record 61 initialises them (@YouJiacheng's
-// scales): QKV rows uniform +-sqrt(3)/sqrt(768), O rows zero; c_fc uniform +-sqrt(3)/2/sqrt(768),
-// c_proj zero; lm_head normal(0, 0.005) and embed = lm_head^T; value embeddings, gates and x0
-// lambdas zero; scalars as listed above. Each parameter draws from its own stream of the seed,
-// so a run is reproducible from the seed in its log. bf16 parameters as raw bits, fp32 as floats.
-struct HostParam {
-    std::vector<uint16_t> bf16;
-    std::vector<float> fp32;
-};
-
-static HostParam init_param(const ParamShape& ps, uint64_t seed, const HostParam* lm_head = nullptr) {
-    HostParam hp;
-    const int64_t n = ps.numel();
-    std::mt19937_64 rng(seed ^ (std::hash<std::string>{}(ps.label) * 0x9E3779B97F4A7C15ull));
-    if (ps.fp32) {
-        hp.fp32.assign(n, 0.f);
-        if (ps.label == "scalars") {
-            for (int64_t i = 0; i < n; ++i) hp.fp32[i] = 1.f;  // padding
-            for (int i = 0; i < NUM_LAYERS; ++i) {
-                hp.fp32[SCALAR_RESID + i] = 1.1f;
-                hp.fp32[SCALAR_SA + 2 * i] = 0.5f, hp.fp32[SCALAR_SA + 2 * i + 1] = 1.0f;
-            }
-            hp.fp32[SCALAR_SMEAR] = 0.f, hp.fp32[SCALAR_BACKOUT] = 0.5f, hp.fp32[SCALAR_SKIP] = -1.5f;
-        }
-        return hp;
-    }
-    hp.bf16.assign(n, 0);
-    auto uniform = [&](int64_t begin, int64_t count, double bound) {
-        std::uniform_real_distribution<float> u((float)-bound, (float)bound);
-        for (int64_t i = begin; i < begin + count; ++i) hp.bf16[i] = bf16_bits(u(rng));
-    };
-    const double attn_bound = std::sqrt(3.0) / std::sqrt((double)MODEL_DIM), mlp_bound = 0.5 * attn_bound;
-    const int64_t mat = (int64_t)MODEL_DIM * MODEL_DIM;
-    if (ps.label == "attn") {
-        for (int64_t l = 0; l < ps.shape[0]; ++l) uniform(l * 4 * mat, 3 * mat, attn_bound);  // o rows stay zero
-    } else if (ps.label == "mlp") {
-        for (int64_t l = 0; l < ps.shape[0]; ++l) uniform(l * 2 * 4 * mat, 4 * mat, mlp_bound);  // c_proj stays zero
-    } else if (ps.label == "lm_head") {
-        std::normal_distribution<float> nd(0.f, 0.005f);
-        for (int64_t i = 0; i < n; ++i) hp.bf16[i] = bf16_bits(nd(rng));
-    } else if (ps.label == "embed") {
-        if (!lm_head) fail("embed is initialised as lm_head^T: initialise lm_head first");
-        for (int64_t v = 0; v < PADDED_VOCAB_SIZE; ++v)
-            for (int64_t d = 0; d < MODEL_DIM; ++d) hp.bf16[v * MODEL_DIM + d] = lm_head->bf16[d * PADDED_VOCAB_SIZE + v];
-    }  // value embeddings and gates: zero
-    return hp;
 }
 
 // The parameters on the GPU: one allocation per bank, and a gradient of the same type and layout.
@@ -1040,6 +1059,7 @@ class ParamStore {
             CUDA_CHECK(cudaFree(p.data));
             CUDA_CHECK(cudaFree(p.grad));
         }
+        for (void* c : initial_) CUDA_CHECK(cudaFree(c));
     }
     ParamStore(const ParamStore&) = delete;
     ParamStore& operator=(const ParamStore&) = delete;
@@ -1061,8 +1081,29 @@ class ParamStore {
         return n;
     }
 
+    // A copy of every parameter on the GPU, and its restoration with zero gradients: the warmup
+    // trains from the initial weights, then training starts again from them.
+    void save_initial_state() {
+        for (void* c : initial_) CUDA_CHECK(cudaFree(c));
+        initial_.clear();
+        for (Param& p : params_) {
+            void* copy;
+            CUDA_CHECK(cudaMalloc(&copy, p.bytes()));
+            CUDA_CHECK(cudaMemcpy(copy, p.data, p.bytes(), cudaMemcpyDeviceToDevice));
+            initial_.push_back(copy);
+        }
+    }
+    void load_initial_state(cudaStream_t s) {
+        if (initial_.size() != params_.size()) fail("load_initial_state: no saved state");
+        for (size_t i = 0; i < params_.size(); ++i) {
+            CUDA_CHECK(cudaMemcpyAsync(params_[i].data, initial_[i], params_[i].bytes(), cudaMemcpyDeviceToDevice, s));
+            CUDA_CHECK(cudaMemsetAsync(params_[i].grad, 0, params_[i].bytes(), s));
+        }
+    }
+
    private:
     std::vector<Param> params_;
+    std::vector<void*> initial_;
 };
 
 // Polar Express (Amsel, Persson, Musco, Gower, arXiv 2505.16932): 5 fixed iterations
@@ -1260,9 +1301,9 @@ class NorMuonAndAdam {
             if (st.cfg.optim == Optim::NorMuon || do_adam) CUDA_CHECK(cudaMemsetAsync(st.p->grad, 0, st.p->bytes(), s));
     }
 
-    // the untie step (record: copy_lm_state_to_embed): embed's Adam state is lm_head's, transposed;
+    // the untie at the split step: embed's Adam state is lm_head's, transposed;
     // sharded, lm_head's moments are gathered whole, transposed, and each rank keeps its rows of embed
-    void untie(cudaStream_t s) {
+    void copy_lm_state_to_embed(cudaStream_t s) {
         State& lm = state("lm_head");
         State& em = state("embed");
         const int64_t full = (int64_t)MODEL_DIM * PADDED_VOCAB_SIZE;
@@ -1438,13 +1479,97 @@ class NorMuonAndAdam {
 };
 
 // -----------------------------------------------------------------------------
-// Model. Layer i's weights: attn_bank[attn_index(i)] holds rows q, k, v, o of 768 each; mlp_bank[i]
-// holds c_fc then c_proj (3072 x 768 each).
+// Model: the parameters (the record's GPT.__init__), then the forward and backward.
 
-static int attn_index(int layer) { return layer < 6 ? layer : layer - 1; }  // layer 6 has no attention
-static bool has_attention(int layer) { return layer != 6; }
-static bool paired_head(int layer) { return layer == 0 || layer == 2 || layer == 5 || layer == 9; }
-static bool long_window(int layer) { return layer == 3 || layer == 10; }
+// The record-61 parameters, in banks of one allocation each (parameter banks for sharded
+// optimization, @chrisjmccormick), sized from the layer table:
+//   attn: attn_bank[attn_slot(i)] holds layer i's q, k, v, o rows (768 each): merged QKVO weights,
+//     suggested by many, implemented by @fernbear.bsky.social, improved by @YouJiacheng, layout
+//     simplified by @chrisjmccormick; NorMuon sees it as 4 x slots matrices of 768 x 768.
+//   mlp: mlp_bank[i] holds layer i's c_fc then c_proj (3072 x 768 each), padded to MLP_BANK_SLOTS
+//     (all layers have an MLP: at 11 layers the first MLP layer was dropped, @EmelyanenkoK).
+//   scalars: resid lambdas, sa lambdas (2 per layer), smear, backout, skip lambdas, padded with ones
+//     to a multiple of the world size so it can be reduced evenly.
+//   ve0-ve2: value embeddings (@KoszarskyB, after @Grad62304977's value residual,
+//     https://arxiv.org/abs/2410.17897; code simplification after @ragulpr).
+//   attn_gate_bank, ve_gate_bank: the output gates (sparse gated attention, @classiclarryd) and
+//     value-embedding gates, one slot per layer that has them.
+//   lm_head: stored transposed (in, out) for a faster gradient accumulation (@ChrisJMcCormick);
+//     embed starts as lm_head^T and stays tied to it until the split step.
+static std::vector<ParamShape> model_params(int world_size) {
+    const int64_t n_scalars = 3 * NUM_LAYERS + 3;
+    const int64_t pad = (world_size - n_scalars % world_size) % world_size;
+    return {
+        {"attn", {ATTN_BANK_SLOTS, 4 * MODEL_DIM, MODEL_DIM}, {ATTN_BANK_SLOTS * 4, MODEL_DIM, MODEL_DIM}},
+        {"mlp", {MLP_BANK_SLOTS, 2, 4 * MODEL_DIM, MODEL_DIM}, {MLP_BANK_SLOTS * 2, 4 * MODEL_DIM, MODEL_DIM}},
+        {"scalars", {n_scalars + pad}, {}, true},
+        {"ve0", {PADDED_VOCAB_SIZE, MODEL_DIM}, {}},
+        {"ve1", {PADDED_VOCAB_SIZE, MODEL_DIM}, {}},
+        {"ve2", {PADDED_VOCAB_SIZE, MODEL_DIM}, {}},
+        {"smear_gate", {1, 12}, {}},
+        {"skip_gate", {1, 12}, {}},
+        {"attn_gate_bank", {ATTN_GATE_BANK_SLOTS, NUM_HEADS, 12}, {}},
+        {"ve_gate_bank", {VE_GATE_BANK_SLOTS, NUM_HEADS, 12}, {}},
+        {"x0_lambdas", {NUM_LAYERS}, {}, true},
+        {"lm_head", {MODEL_DIM, PADDED_VOCAB_SIZE}, {}},
+        {"embed", {PADDED_VOCAB_SIZE, MODEL_DIM}, {}},
+    };
+}
+static_assert(NUM_VALUE_EMBEDS == 3, "model_params and param_table list ve0, ve1, ve2");
+
+// Offsets into scalars: resid lambdas, sa lambdas (2 per layer), smear, backout, skip, padding ones.
+constexpr int SCALAR_RESID = 0, SCALAR_SA = NUM_LAYERS, SCALAR_SMEAR = 3 * NUM_LAYERS, SCALAR_BACKOUT = SCALAR_SMEAR + 1,
+              SCALAR_SKIP = SCALAR_SMEAR + 2;
+
+static uint16_t bf16_bits(float f) {  // round to nearest even, as .bfloat16()
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) == 0x7f800000u) return (uint16_t)(u >> 16);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Initial values of one parameter on the host, as record 61 initialises them (@YouJiacheng's
+// scales): QKV rows uniform +-sqrt(3)/sqrt(768), O rows zero; c_fc uniform +-sqrt(3)/2/sqrt(768),
+// c_proj zero (@Grad62304977); lm_head normal(0, 0.005) and embed = lm_head^T; value embeddings, gates and x0
+// lambdas zero; scalars as listed above. Each parameter draws from its own stream of the seed,
+// so a run is reproducible from the seed in its log.
+static HostParam init_param(const ParamShape& ps, uint64_t seed, const HostParam* lm_head) {
+    HostParam hp;
+    const int64_t n = ps.numel();
+    std::mt19937_64 rng(seed ^ (std::hash<std::string>{}(ps.label) * 0x9E3779B97F4A7C15ull));
+    if (ps.fp32) {
+        hp.fp32.assign(n, 0.f);
+        if (ps.label == "scalars") {
+            for (int64_t i = 0; i < n; ++i) hp.fp32[i] = 1.f;  // padding
+            for (int i = 0; i < NUM_LAYERS; ++i) {
+                hp.fp32[SCALAR_RESID + i] = 1.1f;
+                hp.fp32[SCALAR_SA + 2 * i] = 0.5f, hp.fp32[SCALAR_SA + 2 * i + 1] = 1.0f;
+            }
+            hp.fp32[SCALAR_SMEAR] = 0.f, hp.fp32[SCALAR_BACKOUT] = 0.5f, hp.fp32[SCALAR_SKIP] = -1.5f;
+        }
+        return hp;
+    }
+    hp.bf16.assign(n, 0);
+    auto uniform = [&](int64_t begin, int64_t count, double bound) {
+        std::uniform_real_distribution<float> u((float)-bound, (float)bound);
+        for (int64_t i = begin; i < begin + count; ++i) hp.bf16[i] = bf16_bits(u(rng));
+    };
+    const double attn_bound = std::sqrt(3.0) / std::sqrt((double)MODEL_DIM), mlp_bound = 0.5 * attn_bound;
+    const int64_t mat = (int64_t)MODEL_DIM * MODEL_DIM;
+    if (ps.label == "attn") {
+        for (int64_t l = 0; l < ps.shape[0]; ++l) uniform(l * 4 * mat, 3 * mat, attn_bound);  // o rows stay zero
+    } else if (ps.label == "mlp") {
+        for (int64_t l = 0; l < ps.shape[0]; ++l) uniform(l * 2 * 4 * mat, 4 * mat, mlp_bound);  // c_proj stays zero
+    } else if (ps.label == "lm_head") {
+        std::normal_distribution<float> nd(0.f, 0.005f);
+        for (int64_t i = 0; i < n; ++i) hp.bf16[i] = bf16_bits(nd(rng));
+    } else if (ps.label == "embed") {
+        if (!lm_head) fail("embed is initialised as lm_head^T: initialise lm_head first");
+        for (int64_t v = 0; v < PADDED_VOCAB_SIZE; ++v)
+            for (int64_t d = 0; d < MODEL_DIM; ++d) hp.bf16[v * MODEL_DIM + d] = lm_head->bf16[d * PADDED_VOCAB_SIZE + v];
+    }  // value embeddings and gates: zero
+    return hp;
+}
 
 // YaRN (@YouJiacheng's half-truncated RoPE with base-frequency tuning; YaRN updates on window
 // changes). State is the fp32 angular frequency per head dim and the attention scale; the
@@ -1576,7 +1701,7 @@ class Model {
 
         // embeddings; value embeddings 0, 1, 2 (the 012 ... 012 structure of @YouJiacheng, less layers 2-7)
         CUDA_CHECK(embedding_forward(tokens, T, bf(p_["embed"].data), emb_, D, s));
-        for (int k = 0; k < 3; ++k)
+        for (int k = 0; k < NUM_VALUE_EMBEDS; ++k)
             CUDA_CHECK(embedding_forward(tokens, T, bf(p_["ve" + std::to_string(k)].data), ve_[k], D, s));
         // smear the token embedding forward one position, then x = x0 = norm(x)
         gate::Params sm = row_gate(T, emb_, bf(p_["smear_gate"].data), scalars + SCALAR_SMEAR);
@@ -1587,17 +1712,19 @@ class Model {
         for (int i = 0; i < NUM_LAYERS; ++i) {
             Layer& l = layer(i);
             if (x != l.x_in) CUDA_CHECK(cudaMemcpyAsync(l.x_in, x, TD * 2, cudaMemcpyDeviceToDevice, s));
-            if (!fa.training && i == 4) CUDA_CHECK(cudaMemcpyAsync(eval_skip_, x, TD * 2, cudaMemcpyDeviceToDevice, s));
-            if (!fa.training && i == 8) CUDA_CHECK(cudaMemcpyAsync(eval_back_, x, TD * 2, cudaMemcpyDeviceToDevice, s));
+            // evaluation rotates two layers' activations: keep the skip's and the backout's sources
+            if (!fa.training && i == SKIP_IN + 1) CUDA_CHECK(cudaMemcpyAsync(eval_skip_, x, TD * 2, cudaMemcpyDeviceToDevice, s));
+            if (!fa.training && i == BACKOUT_LAYER + 1)
+                CUDA_CHECK(cudaMemcpyAsync(eval_back_, x, TD * 2, cudaMemcpyDeviceToDevice, s));
             // layer i-1's output is checked where this layer first reads it (before the skip changes it)
-            if (i == 6) {  // skip from layer 3's output (layer 4's input), gated by x0 (U-net)
+            if (i == SKIP_OUT) {  // the U-net skip from layer SKIP_IN's output, gated by x0
                 CUDA_CHECK(check_finite(l.x_in, TD, bad_, i - 1, s));
                 gate::Params sk = row_gate(T, x0_, bf(p_["skip_gate"].data), scalars + SCALAR_SKIP);
                 sk.a = l.x_in, sk.b = skip_source();
                 CUDA_CHECK(gate_forward(GateKind::Skip, sk, s));
             }
             CUDA_CHECK(combine(l.x_mix, l.x_in, x0_, TD, {scalars + SCALAR_RESID + i, 1.f, 0.f}, {x0_lambdas + i, 1.f, 0.f}, s,
-                               i > 0 && i != 6 ? bad_ : nullptr, i - 1));
+                               i > 0 && i != SKIP_OUT ? bad_ : nullptr, i - 1));
             if (has_attention(i)) attention_forward_block(i, s);  // x_attn = x_mix + attention
             else if (l.x_attn != l.x_mix) CUDA_CHECK(cudaMemcpyAsync(l.x_attn, l.x_mix, TD * 2, cudaMemcpyDeviceToDevice, s));
             // MLP: x += relu(norm(x) c_fc^T)^2 c_proj
@@ -1630,17 +1757,18 @@ class Model {
         float* gscalars = (float*)p_["scalars"].grad;
         float* gx0l = (float*)p_["x0_lambdas"].grad;
         float* x0_lambdas = (float*)p_["x0_lambdas"].data;
-        for (__nv_bfloat16* b : {dx0_, dskip_, dve_[0], dve_[1], dve_[2]}) CUDA_CHECK(cudaMemsetAsync(b, 0, TD * 2, s));
+        for (__nv_bfloat16* b : {dx0_, dskip_}) CUDA_CHECK(cudaMemsetAsync(b, 0, TD * 2, s));
+        for (__nv_bfloat16* b : dve_) CUDA_CHECK(cudaMemsetAsync(b, 0, TD * 2, s));
         // final norm, then the backout: x_back = x_last - lambda x_8in
         CUDA_CHECK(rms_norm_backward(x_back_, D, dxn_head_, D, rstd_f_, dx_, D, T, D, s));
         CUDA_CHECK(cudaMemsetAsync(dback_, 0, TD * 2, s));
-        CUDA_CHECK(combine_backward(dx_, x_last_, layers_[8].x_in, dx_, false, dback_, TD, {nullptr, 0.f, 1.f},
+        CUDA_CHECK(combine_backward(dx_, x_last_, backout_source(), dx_, false, dback_, TD, {nullptr, 0.f, 1.f},
                                     {scalars + SCALAR_BACKOUT, -1.f, 0.f}, nullptr, gscalars + SCALAR_BACKOUT, partial_, s));
         for (int i = NUM_LAYERS - 1; i >= 0; --i) {
             Layer& l = layers_[i];
             // dx: the gradient of this layer's output
-            if (i == 7) CUDA_CHECK(combine(dx_, dx_, dback_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
-            if (i == 3) CUDA_CHECK(combine(dx_, dx_, dskip_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
+            if (i == BACKOUT_LAYER) CUDA_CHECK(combine(dx_, dx_, dback_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
+            if (i == SKIP_IN) CUDA_CHECK(combine(dx_, dx_, dskip_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
             // MLP: out = x_attn + post c_proj
             gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, dx_, D, c_proj(i), D, dpost_, 4 * D, false);
             gemms_.bf16(s, Op::T, Op::N, 4 * D, D, T, l.post, 4 * D, dx_, D, c_proj_grad(i), D, false, 1.f, 1.f);
@@ -1657,9 +1785,9 @@ class Model {
             }
             CUDA_CHECK(norm_mix_backward(l.x_mix, dxn_, rstd, dx_, l.x_in, x0_, dx0_, T, {scalars + SCALAR_RESID + i, 1.f, 0.f},
                                          {x0_lambdas + i, 1.f, 0.f}, gscalars + SCALAR_RESID + i, gx0l + i, partial_, s));
-            if (i == 6) {  // skip: x_in += c 2 sigmoid(z(x0)) x_4in; dx passes through
+            if (i == SKIP_OUT) {  // skip: x_in += c 2 sigmoid(z(x0)) skip_source; dx passes through
                 gate::Params sk = row_gate(T, x0_, bf(p_["skip_gate"].data), scalars + SCALAR_SKIP);
-                sk.b = layers_[4].x_in, sk.dout = dx_, sk.ld_dout = D, sk.db = dskip_, sk.ld_db = D;
+                sk.b = skip_source(), sk.dout = dx_, sk.ld_dout = D, sk.db = dskip_, sk.ld_db = D;
                 sk.dz = dz_, sk.dlam_rows = dlam_rows_;
                 CUDA_CHECK(gate_backward(GateKind::Skip, sk, dx0_, D, bf(p_["skip_gate"].grad), gscalars + SCALAR_SKIP, s));
             }
@@ -1674,7 +1802,7 @@ class Model {
         // embeddings: one sort of the token ids serves the four tables
         CUDA_CHECK(embed_bwd_->sort(tokens_, T, s));
         CUDA_CHECK(embed_bwd_->accumulate(demb_, D, bf(p_["embed"].grad), s));
-        for (int k = 0; k < 3; ++k)
+        for (int k = 0; k < NUM_VALUE_EMBEDS; ++k)
             CUDA_CHECK(embed_bwd_->accumulate(dve_[k], D, bf(p_["ve" + std::to_string(k)].grad), s));
     }
 
@@ -1711,18 +1839,21 @@ class Model {
     static __nv_bfloat16* bf(void* p) { return as_bf16(p); }
     // layer i's activations in this forward: its own in training, one of two alternating in evaluation
     Layer& layer(int i) { return fa_.training ? layers_[i] : eval_[i & 1]; }
-    __nv_bfloat16* skip_source() { return fa_.training ? layers_[4].x_in : eval_skip_; }   // layer 3's output
-    __nv_bfloat16* backout_source() { return fa_.training ? layers_[8].x_in : eval_back_; }  // layer 7's output
+    // layer SKIP_IN's and BACKOUT_LAYER's outputs (the next layers' inputs)
+    __nv_bfloat16* skip_source() { return fa_.training ? layers_[SKIP_IN + 1].x_in : eval_skip_; }
+    __nv_bfloat16* backout_source() { return fa_.training ? layers_[BACKOUT_LAYER + 1].x_in : eval_back_; }
     // bank slices: layer i's attention weights (q, k, v, o rows) and MLP matrices
-    const __nv_bfloat16* attn_w(int i) { return bf(p_["attn"].data) + (int64_t)attn_index(i) * 4 * MODEL_DIM * MODEL_DIM; }
-    __nv_bfloat16* attn_grad(int i) { return bf(p_["attn"].grad) + (int64_t)attn_index(i) * 4 * MODEL_DIM * MODEL_DIM; }
+    const __nv_bfloat16* attn_w(int i) { return bf(p_["attn"].data) + (int64_t)attn_slot(i) * 4 * MODEL_DIM * MODEL_DIM; }
+    __nv_bfloat16* attn_grad(int i) { return bf(p_["attn"].grad) + (int64_t)attn_slot(i) * 4 * MODEL_DIM * MODEL_DIM; }
     const __nv_bfloat16* c_fc(int i) { return bf(p_["mlp"].data) + (int64_t)i * 8 * MODEL_DIM * MODEL_DIM; }
     const __nv_bfloat16* c_proj(int i) { return c_fc(i) + 4 * MODEL_DIM * MODEL_DIM; }
     __nv_bfloat16* c_fc_grad(int i) { return bf(p_["mlp"].grad) + (int64_t)i * 8 * MODEL_DIM * MODEL_DIM; }
     __nv_bfloat16* c_proj_grad(int i) { return c_fc_grad(i) + 4 * MODEL_DIM * MODEL_DIM; }
-    // value embeddings on layers 0, 1 (ve1, ve2) and 8, 9, 10 (ve0, ve1, ve2), their gates in ve_gate_bank
-    static int ve_slot(int i) { return i == 0 ? 1 : i == 1 ? 2 : i >= 8 ? i - 8 : -1; }
-    static int ve_gate_index(int i) { return i < 2 ? i : i >= 8 ? i - 6 : -1; }
+    // layer i's gate weights: its slot of the attention-gate bank, of the value-embedding gate bank
+    const __nv_bfloat16* attn_gate_w(int i) { return bf(p_["attn_gate_bank"].data) + attn_slot(i) * NUM_HEADS * gate::GW; }
+    __nv_bfloat16* attn_gate_grad(int i) { return bf(p_["attn_gate_bank"].grad) + attn_slot(i) * NUM_HEADS * gate::GW; }
+    const __nv_bfloat16* ve_gate_w(int i) { return bf(p_["ve_gate_bank"].data) + ve_gate_slot(i) * NUM_HEADS * gate::GW; }
+    __nv_bfloat16* ve_gate_grad(int i) { return bf(p_["ve_gate_bank"].grad) + ve_gate_slot(i) * NUM_HEADS * gate::GW; }
 
     gate::Params row_gate(int T, const __nv_bfloat16* x, const __nv_bfloat16* w, const float* lambda) {
         gate::Params g{};
@@ -1780,15 +1911,15 @@ class Model {
         CUDA_CHECK(qk_norm_rope_forward(rope_params(i), s));
         __nv_bfloat16* v = value(i);
         if (v == l.v) CUDA_CHECK(cudaMemcpy2DAsync(l.v, D * 2, l.qkv + 2 * D, 3 * D * 2, D * 2, T, cudaMemcpyDeviceToDevice, s));
-        if (ve_slot(i) >= 0) {
-            gate::Params vg = head_gate(i, bf(p_["ve_gate_bank"].data) + ve_gate_index(i) * NUM_HEADS * gate::GW);
-            vg.a = v, vg.ld_a = value_ld(i), vg.b = ve_[ve_slot(i)];
+        if (has_value_embed(i)) {
+            gate::Params vg = head_gate(i, ve_gate_w(i));
+            vg.a = v, vg.ld_a = value_ld(i), vg.b = ve_[LAYERS[i].ve];
             CUDA_CHECK(gate_forward(GateKind::ValueEmbedding, vg, s));
         }
         if (profiling_) attn_timer_.begin(s);
         CUDA_CHECK(attention_forward(attn_params(i), s));
         if (profiling_) attn_timer_.end(s);
-        gate::Params og = head_gate(i, bf(p_["attn_gate_bank"].data) + attn_index(i) * NUM_HEADS * gate::GW);
+        gate::Params og = head_gate(i, attn_gate_w(i));
         og.a = l.y, og.out = l.yg;
         CUDA_CHECK(gate_forward(GateKind::Output, og, s));
         CUDA_CHECK(scale_weight(wo_, attn_w(i) + 3 * D * D, D * D, scalars + SCALAR_SA + 2 * i + 1, s));
@@ -1811,11 +1942,10 @@ class Model {
                                          scalars + SCALAR_SA + 2 * i + 1, gscalars + SCALAR_SA + 2 * i + 1, partial_, s));
         // output gate: dy, and the gate's input gradient into dxn (zeroed: the QKV backward adds on)
         CUDA_CHECK(cudaMemsetAsync(dxn_, 0, TD * 2, s));
-        gate::Params og = head_gate(i, bf(p_["attn_gate_bank"].data) + attn_index(i) * NUM_HEADS * gate::GW);
+        gate::Params og = head_gate(i, attn_gate_w(i));
         og.a = l.y, og.dout = dyg_, og.da = dy_, og.dz = dz_;
         og.delta = delta_, og.delta_split = paired_head(i) ? 2 : 1;  // attention's delta, in the same pass
-        CUDA_CHECK(gate_backward(GateKind::Output, og, dxn_, D,
-                                 bf(p_["attn_gate_bank"].grad) + attn_index(i) * NUM_HEADS * gate::GW, nullptr, s));
+        CUDA_CHECK(gate_backward(GateKind::Output, og, dxn_, D, attn_gate_grad(i), nullptr, s));
         // attention (its tile schedule was overwritten by later layers: remake it)
         attn::Params ap = attn_params(i);
         if (profiling_) attn_timer_.begin(s);
@@ -1824,12 +1954,11 @@ class Model {
         if (profiling_) attn_timer_.end(s);
         // value-embedding gate: v passes through; dve and the gate's input gradient
         const __nv_bfloat16* dv = value_grad(i);
-        if (ve_slot(i) >= 0) {
-            gate::Params vg = head_gate(i, bf(p_["ve_gate_bank"].data) + ve_gate_index(i) * NUM_HEADS * gate::GW);
-            vg.b = ve_[ve_slot(i)], vg.dout = dv, vg.ld_dout = value_ld(i), vg.db = dve_[ve_slot(i)];
+        if (has_value_embed(i)) {
+            gate::Params vg = head_gate(i, ve_gate_w(i));
+            vg.b = ve_[LAYERS[i].ve], vg.dout = dv, vg.ld_dout = value_ld(i), vg.db = dve_[LAYERS[i].ve];
             vg.dz = dz_;
-            CUDA_CHECK(gate_backward(GateKind::ValueEmbedding, vg, dxn_, D,
-                                     bf(p_["ve_gate_bank"].grad) + ve_gate_index(i) * NUM_HEADS * gate::GW, nullptr, s));
+            CUDA_CHECK(gate_backward(GateKind::ValueEmbedding, vg, dxn_, D, ve_gate_grad(i), nullptr, s));
         }
         // dqkv: q, k through the rope and the QK norm; v copied back
         CUDA_CHECK(qk_norm_rope_backward(rope_params(i), s));
@@ -1907,7 +2036,7 @@ class Model {
     DeviceArena arena_;
     Layer layers_[NUM_LAYERS], eval_[2];
     __nv_bfloat16 *eval_skip_ = nullptr, *eval_back_ = nullptr;
-    __nv_bfloat16 *emb_, *xs_, *x0_, *x_last_, *x_back_, *xn_, *ve_[3], *wqkv_, *wo_, *logits_;
+    __nv_bfloat16 *emb_, *xs_, *x0_, *x_last_, *x_back_, *xn_, *ve_[NUM_VALUE_EMBEDS], *wqkv_, *wo_, *logits_;
     __nv_bfloat162* rope_ = nullptr;  // the rotary table for rope_freq_
     int rope_positions_ = 0;
     std::vector<float> rope_freq_;
@@ -1916,7 +2045,7 @@ class Model {
     int4* tiles_;
     uint8_t *xf8_, *xf8t_, *wf8t_, *wf8_, *gf8_, *gf8t_;
     __nv_bfloat16 *dx_, *dx0_, *dskip_, *dback_, *dxn_, *dy_, *dyg_, *dq_, *dk_, *dv_, *dqkv_, *dpost_, *dpre_,
-        *dxn_head_, *demb_, *dve_[3];
+        *dxn_head_, *demb_, *dve_[NUM_VALUE_EMBEDS];
     float *dw_, *delta_, *dz_, *dlam_rows_, *partial_, *gate_partial_;
     std::unique_ptr<EmbeddingBackward> embed_bwd_;
     bool profiling_ = false;
@@ -2308,7 +2437,8 @@ class DistributedDataGenerator {
 };
 
 // -----------------------------------------------------------------------------
-// Training Management: the schedules of record 61, as pure functions of the step.
+// Training Management: the schedules of record 61, as pure functions of the step, and the
+// TrainingManager that follows them.
 
 // batch size schedule by equal parts of the scheduled steps, then the extension batch
 static int64_t get_bs(const Hyperparameters& a, int64_t step) {
@@ -2400,6 +2530,108 @@ static std::vector<int64_t> get_warmup_steps(const Hyperparameters& a) {
     steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
     return steps;
 }
+
+// The record's TrainingManager. Manages the NorMuonAndAdam for all parameters with explicit ordering:
+//   1. Scalars are given higher momentum terms to smooth learning (param_table, @ChrisJMcCormick)
+//   2. Adam parameters step only on odd steps (@classiclarryd)
+//   3. Explicit scatter_order and work_order for communication scheduling (no backward hooks)
+//   4. NorMuon has a linear momentum warmup and cooldown schedule
+//   5. Learning rates follow a linear decay schedule
+//   6. embed is tied to lm_head until the split step (2/3 of training), then untied (@classiclarryd)
+// and the model architecture, data and targets that change during training:
+//   1. Multi-token prediction weights [1, 0.5, 0.25->0] -> [1, 0.5->0] -> [1] (@varunneal)
+//   2. Sliding attention windows [1,3] -> [3,7] -> [5,11] -> [6,13] (short, long; blocks of 128)
+//   3. YaRN updates to RoPE on window changes
+//   4. embed and lm_head split at 2/3 of training (lm_head's optimizer state copied to embed)
+//   5. Batch size schedule 8 -> 16 -> 24 x 2048 x 8 tokens per step
+//   6. The final validation extends the long windows from 13 to 20 (no new YaRN update)
+class TrainingManager {
+   public:
+    TrainingManager(const Hyperparameters& args, Model& model, NorMuonAndAdam& optimizer, int grad_accum_steps,
+                    int64_t max_local_tokens, int max_cu, cudaStream_t stream)
+        : args_(args), model_(model), optimizer_(optimizer), grad_accum_steps_(grad_accum_steps), stream_(stream),
+          split_step(get_split_step(args)), warmup_steps(get_warmup_steps(args)) {
+        d_tokens_ = arena_.alloc<int32_t>(max_local_tokens + 1);  // inputs and the shifted targets
+        d_cu_ = arena_.alloc<int32_t>(max_cu);
+        reset_schedule();
+    }
+
+    // the step that unties embed from lm_head, and the steps the warmup samples: the first few
+    // steps and each window transition +-1 (every shape and schedule the run will see)
+    const int64_t split_step;
+    const std::vector<int64_t> warmup_steps;
+
+    // back to step 0: the optimizer's state, the windows with YaRN, the batch size
+    void reset() {
+        optimizer_.reset(stream_);
+        reset_schedule();
+    }
+
+    // the schedules at `step`; a new batch size goes to the train loader for its next batch
+    void advance_schedule(int64_t step, DistributedDataGenerator& train_loader) {
+        const Windows w = get_ws(args_, step);
+        if (w.long_ws != fa_.ws_long) yarn_apply(args_, fa_.yarn, fa_.ws_long, w.long_ws);
+        fa_.ws_short = w.short_ws, fa_.ws_long = w.long_ws;
+        const int64_t bs = get_bs(args_, step);
+        if (bs != batch_size_) train_loader.set_batch_size({bs, args_.train_max_seq_len, grad_accum_steps_});
+        batch_size_ = bs;
+        fa_.mtp_weights = get_mtp_weights(args_, step);
+    }
+
+    // the final validation's longer window, without a YaRN update
+    void apply_final_ws_ext() { fa_.ws_long = args_.ws_validate_post_yarn_ext; }
+
+    // The next batch of a loader through the model: training (fp8 head, MTP loss, the backward's
+    // state kept) or evaluation. Returns the loss. The first batch of each kind goes to the log.
+    float forward_batch(DistributedDataGenerator& loader, bool training) {
+        HostBatch& b = loader.next();
+        loader.upload(b, d_tokens_, d_cu_, stream_);
+        if (!shown_[training]) {
+            shown_[training] = true;
+            print0(strprintf("first %s batch of rank 0: inputs:(%lld,) targets:(%lld,) cu_seqlens:(%lld,) documents:%lld "
+                             "from %s", training ? "training" : "validation", (long long)b.num_tokens,
+                             (long long)b.num_tokens, (long long)b.max_num_docs, (long long)b.num_docs,
+                             loader.current_file().c_str()), true);
+        }
+        fa_.training = training;
+        fa_.loss_scale = 1.f / grad_accum_steps_;
+        return model_.forward(d_tokens_, d_cu_, (int)b.max_num_docs, (int)b.num_tokens, fa_, stream_);
+    }
+
+    // One training step: the micro-steps' forward and backward (gradients accumulate), then the
+    // optimizers.
+    void train_step(int64_t step, DistributedDataGenerator& train_loader) {
+        for (int micro = 0; micro < grad_accum_steps_; ++micro) {
+            forward_batch(train_loader, true);
+            model_.backward(stream_);
+        }
+        step_optimizers(step);
+    }
+
+    void step_optimizers(int64_t step) {
+        optimizer_.step(get_lr(args_, step), get_muon_momentum(args_, step), is_adam_step(step), stream_);
+        if (step == split_step) optimizer_.copy_lm_state_to_embed(stream_);
+    }
+
+   private:
+    void reset_schedule() {
+        const Windows w = get_ws(args_, 0);
+        fa_.ws_short = w.short_ws, fa_.ws_long = w.long_ws;
+        fa_.yarn = yarn_reset(args_);
+        batch_size_ = get_bs(args_, 0);
+    }
+
+    const Hyperparameters& args_;
+    Model& model_;
+    NorMuonAndAdam& optimizer_;
+    const int grad_accum_steps_;
+    cudaStream_t stream_;
+    ForwardArgs fa_;            // windows, YaRN and MTP weights of the current step
+    int64_t batch_size_ = 0;    // tokens per step over all ranks
+    bool shown_[2] = {false, false};
+    DeviceArena arena_;
+    int32_t *d_tokens_ = nullptr, *d_cu_ = nullptr;  // the current micro-batch on the GPU
+};
 
 // -----------------------------------------------------------------------------
 // Self-logging. The two sources are embedded at build time (TRAIN_GPT_SRC_DIR is set by the
@@ -2611,10 +2843,12 @@ static std::string configuration_text(Hyperparameters& a, int world_size, const 
     std::string layers;
     for (int i = 0; i < NUM_LAYERS; ++i) {
         std::string l = has_attention(i) ? (paired_head(i) ? "paired-attn" : "attn") : "no-attn";
-        if (has_attention(i)) l += strprintf("[bank %d%s]", attn_index(i), long_window(i) ? ",long,key-offset" : "");
+        if (has_attention(i)) l += strprintf("[bank %d%s]", attn_slot(i), long_window(i) ? ",long,key-offset" : "");
+        if (has_value_embed(i)) l += strprintf("+ve%d[gate %d]", LAYERS[i].ve, ve_gate_slot(i));
         layers += strprintf("%s%d:%s+mlp", i ? " " : "", i, l.c_str());
     }
     s += "layers = " + layers + "\n";
+    s += strprintf("skip = %d->%d\nbackout_layer = %d\n", SKIP_IN, SKIP_OUT, BACKOUT_LAYER);
     // the optimizer's explicit order on each kind of step
     const std::vector<ParamShape> params = model_params(world_size);
     const std::vector<ParamConfig> cfgs = build_param_configs(a, params, world_size, 0);
@@ -2641,21 +2875,6 @@ static std::string configuration_text(Hyperparameters& a, int world_size, const 
     }
     s += "# end configuration\n";
     return s;
-}
-
-static FILE* g_logfile = nullptr;
-
-// rank 0 writes the log; console=true also prints to stdout
-static void print0(const std::string& s, bool console = false) {
-    if (g_rank != 0) return;
-    if (g_logfile) {
-        fprintf(g_logfile, "%s\n", s.c_str());
-        fflush(g_logfile);
-    }
-    if (console) {
-        printf("%s\n", s.c_str());
-        fflush(stdout);
-    }
 }
 
 // The weights at the end of a run (the record's save_checkpoint): logs/<run_id>/state_stepNNNNNN.bin
@@ -2699,6 +2918,64 @@ static void print_help() {
 // int main
 
 #ifndef TRAIN_GPT_NO_MAIN
+// The processes of a run: MPI ranks, one GPU each (by rank within the node), NCCL over them.
+struct Distributed {
+    int rank = 0, world_size = 1;
+    MPI_Comm node_comm = MPI_COMM_NULL;
+    ncclComm_t comm = nullptr;  // none at world size 1
+};
+
+static Distributed init_distributed(int& argc, char**& argv) {
+    Distributed d;
+    MPI_CHECK(MPI_Init(&argc, &argv));
+    g_mpi_up = true;
+    MPI_CHECK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
+    MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &g_rank));
+    MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &g_world_size));
+    d.rank = g_rank, d.world_size = g_world_size;
+    return d;
+}
+
+static void init_devices(Distributed& d) {
+    int local_rank = 0, num_gpus = 0;
+    MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, d.rank, MPI_INFO_NULL, &d.node_comm));
+    MPI_CHECK(MPI_Comm_rank(d.node_comm, &local_rank));
+    CUDA_CHECK(cudaGetDeviceCount(&num_gpus));
+    if (local_rank >= num_gpus) fail(strprintf("local rank %d has no GPU: this node has %d", local_rank, num_gpus));
+    CUDA_CHECK(cudaSetDevice(local_rank));
+    d.comm = nccl_init(d.rank, d.world_size);
+}
+
+static void finalize_distributed(Distributed& d) {
+    CUDA_CHECK(cudaDeviceSynchronize());  // nothing of the optimizer's NCCL stream is in flight
+    if (d.comm) NCCL_CHECK(ncclCommDestroy(d.comm));
+    MPI_CHECK(MPI_Comm_free(&d.node_comm));
+    MPI_CHECK(MPI_Finalize());
+}
+
+// Rank 0 opens logs/<run_id>.txt (the run id of rank 0 names it) and writes its header: the
+// sources, the versions, the resolved configuration, nvidia-smi.
+static void open_log(Hyperparameters& args, const Distributed& d, const std::string& data_path, int argc, char** argv) {
+    char run_id[64] = {0};
+    if (d.rank == 0) snprintf(run_id, sizeof run_id, "%s", args.run_id.empty() ? make_uuid4().c_str() : args.run_id.c_str());
+    MPI_CHECK(MPI_Bcast(run_id, sizeof run_id, MPI_CHAR, 0, MPI_COMM_WORLD));
+    args.run_id = run_id;
+    std::string command_line;
+    for (int i = 0; i < argc; ++i) command_line += (i ? " " : "") + std::string(argv[i]);
+    if (d.rank == 0) {
+        mkdir("logs", 0755);
+        std::string logfile = "logs/" + args.run_id + ".txt";
+        g_logfile = fopen(logfile.c_str(), "w");
+        if (!g_logfile) fail(strprintf("cannot write %s: %s", logfile.c_str(), strerror(errno)));
+        printf("%s\n", logfile.c_str());
+    }
+    print0(source_block() + LOG_RULE);
+    print0(versions_text());
+    print0(configuration_text(args, d.world_size, data_path, command_line));
+    print0(run_command("nvidia-smi 2>&1"));
+    print0(LOG_RULE);
+}
+
 static int trainer_main(int argc, char** argv) {
     std::vector<std::string> cli(argv + 1, argv + argc);
     if (!cli.empty() && (cli[0] == "--help" || cli[0] == "-h")) {
@@ -2713,165 +2990,67 @@ static int trainer_main(int argc, char** argv) {
         if (cli.size() != 3) fail("usage: ./train_gpt --diff-logs A.txt B.txt");
         return diff_logs(cli[1], cli[2]);
     }
-
-    MPI_CHECK(MPI_Init(&argc, &argv));
-    g_mpi_up = true;
-    MPI_CHECK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
-    MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &g_rank));
-    MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &g_world_size));
-    const int rank = g_rank, world_size = g_world_size;
-
+    Distributed dist = init_distributed(argc, argv);
+    const int world_size = dist.world_size, grad_accum_steps = 8 / world_size;
     Hyperparameters args;
     parse_args(args, cli);
     validate_args(args, world_size);
-    const int grad_accum_steps = 8 / world_size;
     const char* dp = getenv("DATA_PATH");
     const std::string data_path = dp ? dp : ".";
-    const std::string train_pattern = join_data_path(data_path, args.train_files);
-    const std::string val_pattern = join_data_path(data_path, args.val_files);
+    init_devices(dist);
+    open_log(args, dist, data_path, argc, argv);
 
-    // one GPU per rank, by rank within the node
-    MPI_Comm node_comm;
-    int local_rank = 0, num_gpus = 0;
-    MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node_comm));
-    MPI_CHECK(MPI_Comm_rank(node_comm, &local_rank));
-    CUDA_CHECK(cudaGetDeviceCount(&num_gpus));
-    if (local_rank >= num_gpus) fail(strprintf("local rank %d has no GPU: this node has %d", local_rank, num_gpus));
-    CUDA_CHECK(cudaSetDevice(local_rank));
-    ncclComm_t comm = nccl_init(rank, world_size);
-
-    // the run id of rank 0 names the log
-    char run_id[64] = {0};
-    if (rank == 0) snprintf(run_id, sizeof run_id, "%s", args.run_id.empty() ? make_uuid4().c_str() : args.run_id.c_str());
-    MPI_CHECK(MPI_Bcast(run_id, sizeof run_id, MPI_CHAR, 0, MPI_COMM_WORLD));
-    args.run_id = run_id;
-    std::string command_line;
-    for (int i = 0; i < argc; ++i) command_line += (i ? " " : "") + std::string(argv[i]);
-
-    if (rank == 0) {
-        mkdir("logs", 0755);
-        std::string logfile = "logs/" + args.run_id + ".txt";
-        g_logfile = fopen(logfile.c_str(), "w");
-        if (!g_logfile) fail(strprintf("cannot write %s: %s", logfile.c_str(), strerror(errno)));
-        printf("%s\n", logfile.c_str());
-    }
-    print0(source_block() + LOG_RULE);
-    print0(versions_text());
-    print0(configuration_text(args, world_size, data_path, command_line));
-    print0(run_command("nvidia-smi 2>&1"));
-    print0(LOG_RULE);
-
-    // The parameters, initialised from the seed; the model, its optimizer
+    // The model's parameters from the seed, the model, the optimizer, the training manager
     ParamStore params(world_size, args.seed);
     print0(strprintf("parameters: %lld in %zu banks, %.1f MiB with gradients", (long long)params.count(),
                      model_params(world_size).size(), params.bytes() / 1048576.0), true);
-    int64_t capacity = 0;  // the largest training micro-batch of a rank
+    int64_t capacity = args.train_bs_extension;  // the largest training micro-batch of a rank
     for (int64_t bs : args.train_bs_schedule) capacity = std::max(capacity, bs);
-    capacity = std::max(capacity, args.train_bs_extension) / 8;
-    const int64_t eval_local = args.val_batch_size / 8;
-    const int64_t max_local = std::max(capacity, eval_local);
+    capacity /= 8;
+    const int64_t eval_local = args.val_batch_size / 8, max_local = std::max(capacity, eval_local);
     const int max_cu = (int)next_multiple_of_n(max_local / 300, 128);
     Gemms gemms(args.gemm_autotune);
     Model model(params, gemms, args, (int)capacity, (int)eval_local, max_cu);
-    NorMuonAndAdam optimizer(params, gemms, args, world_size, rank, comm);
-    // the initial weights, restored after the warmup
-    std::vector<void*> initial;
-    for (Param& p : params.all()) {
-        void* copy;
-        CUDA_CHECK(cudaMalloc(&copy, p.bytes()));
-        CUDA_CHECK(cudaMemcpy(copy, p.data, p.bytes(), cudaMemcpyDeviceToDevice));
-        initial.push_back(copy);
-    }
-
-    int32_t *d_tokens = nullptr, *d_cu = nullptr;
-    CUDA_CHECK(cudaMalloc(&d_tokens, (max_local + 1) * sizeof(int32_t)));
-    CUDA_CHECK(cudaMalloc(&d_cu, max_cu * sizeof(int32_t)));
+    NorMuonAndAdam optimizer(params, gemms, args, world_size, dist.rank, dist.comm);
+    params.save_initial_state();  // restored after the warmup
     cudaStream_t stream;
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    LoaderOptions train_opt;
-    train_opt.cycle = args.cycle_data;
-    train_opt.capacity_tokens = capacity;
-    LoaderOptions val_opt;
-    val_opt.align_to_bos = false;
-    val_opt.capacity_tokens = eval_local;
-    auto new_train_loader = [&] {
-        return std::make_unique<DistributedDataGenerator>(
-            train_pattern, BatchSize{get_bs(args, 0), args.train_max_seq_len, grad_accum_steps}, rank, world_size, train_opt);
+    TrainingManager training_manager(args, model, optimizer, grad_accum_steps, max_local, max_cu, stream);
+    LoaderOptions train_opt, val_opt;
+    train_opt.cycle = args.cycle_data, train_opt.capacity_tokens = capacity;
+    val_opt.align_to_bos = false, val_opt.capacity_tokens = eval_local;
+    auto train_loader = [&] {
+        return std::make_unique<DistributedDataGenerator>(join_data_path(data_path, args.train_files),
+                                                          BatchSize{get_bs(args, 0), args.train_max_seq_len, grad_accum_steps},
+                                                          dist.rank, world_size, train_opt);
     };
-    auto new_val_loader = [&] {
-        return std::make_unique<DistributedDataGenerator>(val_pattern, BatchSize{args.val_batch_size, -1, grad_accum_steps},
-                                                          rank, world_size, val_opt);
-    };
-
-    // The training manager's state: windows with their YaRN state, and the batch size
-    ForwardArgs fa;
-    int64_t batch_size = 0;
-    auto reset_schedule = [&] {
-        Windows w = get_ws(args, 0);
-        fa.ws_short = w.short_ws, fa.ws_long = w.long_ws;
-        fa.yarn = yarn_reset(args);
-        batch_size = get_bs(args, 0);
-    };
-    auto advance_schedule = [&](int64_t step, DistributedDataGenerator& loader) {
-        Windows w = get_ws(args, step);
-        if (w.long_ws != fa.ws_long) yarn_apply(args, fa.yarn, fa.ws_long, w.long_ws);
-        fa.ws_short = w.short_ws, fa.ws_long = w.long_ws;
-        const int64_t bs = get_bs(args, step);
-        if (bs != batch_size) loader.set_batch_size({bs, args.train_max_seq_len, grad_accum_steps});
-        batch_size = bs;
-        fa.mtp_weights = get_mtp_weights(args, step);
-    };
-    bool shown[2] = {false, false};  // the first batch of each kind goes to the log
-    auto forward_batch = [&](DistributedDataGenerator& loader, bool training) {
-        HostBatch& b = loader.next();
-        loader.upload(b, d_tokens, d_cu, stream);
-        if (!shown[training]) {
-            shown[training] = true;
-            print0(strprintf("first %s batch of rank 0: inputs:(%lld,) targets:(%lld,) cu_seqlens:(%lld,) documents:%lld "
-                             "from %s", training ? "training" : "validation", (long long)b.num_tokens,
-                             (long long)b.num_tokens, (long long)b.max_num_docs, (long long)b.num_docs,
-                             loader.current_file().c_str()), true);
-        }
-        fa.training = training;
-        fa.loss_scale = 1.f / grad_accum_steps;
-        return model.forward(d_tokens, d_cu, (int)b.max_num_docs, (int)b.num_tokens, fa, stream);
-    };
-    auto train_step = [&](int64_t step, DistributedDataGenerator& loader) {
-        for (int micro = 0; micro < grad_accum_steps; ++micro) {
-            forward_batch(loader, true);
-            model.backward(stream);
-        }
-        optimizer.step(get_lr(args, step), get_muon_momentum(args, step), is_adam_step(step), stream);
-        if (step == get_split_step(args)) optimizer.untie(stream);
+    auto val_loader = [&] {
+        return std::make_unique<DistributedDataGenerator>(join_data_path(data_path, args.val_files),
+                                                          BatchSize{args.val_batch_size, -1, grad_accum_steps}, dist.rank,
+                                                          world_size, val_opt);
     };
 
-    // Warmup: the first steps and each window change +-1, untimed, then back to the initial state
-    // (the record warms up its compiled kernels this way; here it also proves every shape runs)
-    reset_schedule();
+    // Warmup: the sampled steps, untimed, then back to the initial state (the record warms up its
+    // compiled kernels this way; here it also proves every shape runs and tunes the GEMMs)
     {
-        auto train_loader = new_train_loader();
+        auto warmup_loader = train_loader();
         std::string list;
-        for (int64_t st : get_warmup_steps(args)) list += (list.empty() ? "" : ",") + std::to_string(st);
+        for (int64_t st : training_manager.warmup_steps) list += (list.empty() ? "" : ",") + std::to_string(st);
         print0("warmup steps " + list, true);
-        for (int64_t step : get_warmup_steps(args)) {
-            advance_schedule(step, *train_loader);
-            forward_batch(*new_val_loader(), false);  // the first validation batch: small validation sets suffice
-            train_step(step, *train_loader);
+        for (int64_t step : training_manager.warmup_steps) {
+            training_manager.advance_schedule(step, *warmup_loader);
+            training_manager.forward_batch(*val_loader(), false);  // the first validation batch suffices
+            training_manager.train_step(step, *warmup_loader);
         }
     }
     print0(gemms.tuning_report(), true);
     print0("resetting the model", true);
-    for (size_t i = 0; i < initial.size(); ++i) {
-        Param& p = params.all()[i];
-        CUDA_CHECK(cudaMemcpyAsync(p.data, initial[i], p.bytes(), cudaMemcpyDeviceToDevice, stream));
-        CUDA_CHECK(cudaMemsetAsync(p.grad, 0, p.bytes(), stream));
-    }
-    optimizer.reset(stream);
-    reset_schedule();
+    params.load_initial_state(stream);
+    training_manager.reset();
     CUDA_CHECK(cudaStreamSynchronize(stream));
 
     // Training and validation (the record's loop; the clock stops for validation)
-    auto train_loader = new_train_loader();
+    auto loader = train_loader();
     const int64_t train_steps = args.num_iterations();
     double training_time_ms = 0;
     CUDA_CHECK(cudaDeviceSynchronize());
@@ -2879,45 +3058,41 @@ static int trainer_main(int argc, char** argv) {
     auto elapsed_ms = [&] { return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(); };
     for (int64_t step = 0; step <= train_steps; ++step) {
         const bool last_step = step == train_steps;
-        advance_schedule(step, *train_loader);
+        training_manager.advance_schedule(step, *loader);
         if (last_step || (args.val_loss_every > 0 && step % args.val_loss_every == 0)) {
-            if (last_step) fa.ws_long = args.ws_validate_post_yarn_ext;  // no YaRN update for this one
-            CUDA_CHECK(cudaDeviceSynchronize());
+            if (last_step) training_manager.apply_final_ws_ext();
+            CUDA_CHECK(cudaDeviceSynchronize());  // stop the clock
             training_time_ms += elapsed_ms();
             const int64_t val_steps = grad_accum_steps * args.val_tokens / args.val_batch_size;
-            auto val_loader = new_val_loader();
+            auto val = val_loader();
             double val_loss = 0;
-            for (int64_t v = 0; v < val_steps; ++v) val_loss += forward_batch(*val_loader, false);
+            for (int64_t v = 0; v < val_steps; ++v) val_loss += training_manager.forward_batch(*val, false);
             val_loss /= val_steps;
             MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &val_loss, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
             val_loss /= world_size;  // the mean over the ranks' validation tokens
             print0(strprintf("step:%lld/%lld val_loss:%.4f train_time:%.0fms step_avg:%.2fms", (long long)step,
                              (long long)train_steps, val_loss, training_time_ms,
                              training_time_ms / std::max<int64_t>(step, 1)), true);
-            CUDA_CHECK(cudaDeviceSynchronize());
+            CUDA_CHECK(cudaDeviceSynchronize());  // start the clock again
             t0 = std::chrono::steady_clock::now();
         }
-        if (last_step) break;
-        train_step(step, *train_loader);
+        if (last_step) {
+            if (dist.rank == 0 && args.save_checkpoint) save_checkpoint(params, args.run_id, step);
+            break;  // the last step only validates
+        }
+        training_manager.train_step(step, *loader);
         const double approx = training_time_ms + elapsed_ms();
         print0(strprintf("step:%lld/%lld train_time:%.0fms step_avg:%.2fms", (long long)step + 1, (long long)train_steps,
                          approx, approx / (step + 1)), true);
     }
-    if (rank == 0 && args.save_checkpoint) save_checkpoint(params, args.run_id, train_steps);
     size_t free_b = 0, total_b = 0;
     CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
     const double used_mib = (total_b - free_b) / 1048576.0;
     print0(strprintf("peak memory allocated: %.0f MiB reserved: %.0f MiB", used_mib, used_mib), true);
 
-    for (void* p : initial) CUDA_CHECK(cudaFree(p));
-    CUDA_CHECK(cudaFree(d_tokens));
-    CUDA_CHECK(cudaFree(d_cu));
     CUDA_CHECK(cudaStreamDestroy(stream));
     if (g_logfile) fclose(g_logfile);
-    CUDA_CHECK(cudaDeviceSynchronize());  // nothing of the optimizer's NCCL stream is in flight
-    if (comm) NCCL_CHECK(ncclCommDestroy(comm));
-    MPI_CHECK(MPI_Comm_free(&node_comm));
-    MPI_CHECK(MPI_Finalize());
+    finalize_distributed(dist);
     return 0;
 }
 

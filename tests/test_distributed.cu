@@ -109,7 +109,7 @@ static Weights train(int world, int rank, ncclComm_t comm, const std::vector<Doc
             model.backward(s);
         }
         opt.step(st.lr, st.momentum, is_adam_step(st.step), s);
-        if (st.untie) opt.untie(s);
+        if (st.untie) opt.copy_lm_state_to_embed(s);
     }
     CUDA_CHECK(cudaStreamSynchronize(s));
     CUDA_CHECK(cudaStreamDestroy(s));

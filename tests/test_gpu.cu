@@ -1429,7 +1429,7 @@ static void test_optimizer_step(const std::string& dir) {
             fclose(f);
         }
         opt.step(steps[k].lr, steps[k].momentum, steps[k].step % 2 == 1, 0);
-        if (steps[k].untie) opt.untie(0);
+        if (steps[k].untie) opt.copy_lm_state_to_embed(0);
         CUDA_CHECK(cudaDeviceSynchronize());
     }
     fclose(sf);

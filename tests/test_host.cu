@@ -598,10 +598,15 @@ static void test_sharding() {
     std::vector<ParamShape> missing = model_params(2);
     missing.pop_back();
     expect_error("parameter without table entry", [&] { build_param_configs(a, missing, 2, 0); }, {"'embed' matches no parameter"});
-    // scatter order is the table's; work order names each label once, lm_head before embed, banks last
+    // scatter order is the table's (as the record's list(param_table.keys())); work order names each
+    // label once, lm_head before embed, banks last
     std::vector<std::string> wo(std::begin(work_order), std::end(work_order));
-    std::vector<std::string> so;
-    for (const ParamTableEntry& e : param_table) so.push_back(e.label);
+    std::vector<std::string> so(std::begin(scatter_order), std::end(scatter_order)), table;
+    for (const ParamTableEntry& e : param_table) table.push_back(e.label);
+    CHECK(so == table, "scatter_order is param_table's order");
+    for (const ParamTableEntry& e : param_table)
+        CHECK(e.optim == Optim::Adam || (e.beta1 == 0 && e.beta2 == 0 && e.lr_mul == 1 && e.wd_mul == 1),
+              "NorMuon row %s", e.label);
     std::vector<std::string> a1 = wo, a2 = so;
     std::sort(a1.begin(), a1.end()), std::sort(a2.begin(), a2.end());
     CHECK(a1 == a2 && std::unique(a1.begin(), a1.end()) == a1.end(), "work_order and scatter_order hold the same labels once");
@@ -637,6 +642,73 @@ static void test_step_plan() {
     for (const auto& [got, want] : cases) CHECK(got == want, "step plan:\n  got  %s\n  want %s", got.c_str(), want.c_str());
     std::string cfg = configuration_text(a, 8, ".", "");
     CHECK(cfg.find("step_plan[adam,tied] = reduce_scatter(attn)") != std::string::npos, "step plans in the log");
+}
+
+// ---------------------------------------------------------------------------------------------
+// the layer table: record 61's layout, and the banks sized from it
+
+static void test_layer_table() {
+    // the record's lists: attention everywhere but layer 6, paired heads on [0, 2, 5, 9], long
+    // windows (with the key offset) on 3 and 10, ve = [ve1, ve2, -, -, -, -, -, -, ve0, ve1, ve2],
+    // skip_in = [3], skip_out = [6], backout_layer = 7
+    std::string attn, paired, longw, ve;
+    for (int i = 0; i < NUM_LAYERS; ++i) {
+        attn += has_attention(i) ? "a" : "-";
+        paired += paired_head(i) ? "p" : "-";
+        longw += long_window(i) ? "l" : "-";
+        ve += has_value_embed(i) ? std::to_string(LAYERS[i].ve) : "-";
+    }
+    CHECK(attn == "aaaaaa-aaaa" && paired == "p-p--p---p-" && longw == "---l------l" && ve == "12------012",
+          "layer table: attention %s, paired %s, long %s, ve %s", attn.c_str(), paired.c_str(), longw.c_str(), ve.c_str());
+    CHECK(SKIP_IN == 3 && SKIP_OUT == 6 && BACKOUT_LAYER == 7, "skip %d -> %d, backout %d", SKIP_IN, SKIP_OUT, BACKOUT_LAYER);
+    // bank slots: the record's layer_to_attn_idx and the ve-gate list [veg0, veg1, -, ..., veg2, veg3, veg4]
+    bool slots = true;
+    for (int i = 0, a = 0, v = 0; i < NUM_LAYERS; ++i) {
+        if (has_attention(i)) slots &= attn_slot(i) == a++;
+        if (has_value_embed(i)) slots &= ve_gate_slot(i) == v++;
+    }
+    CHECK(slots && attn_slot(7) == 6 && attn_slot(10) == 9 && ve_gate_slot(8) == 2 && ve_gate_slot(10) == 4,
+          "bank slots count the layers before");
+    // the banks hold a slot for each layer that uses them (attention 10 x QKVO, MLP 11 + 1 padding)
+    for (int world : {1, 2, 4, 8}) {
+        std::vector<ParamShape> params = model_params(world);
+        auto shape = [&](const char* l) {
+            return std::find_if(params.begin(), params.end(), [&](const ParamShape& p) { return p.label == l; })->shape;
+        };
+        int n_attn = 0, n_ve = 0;
+        for (int i = 0; i < NUM_LAYERS; ++i) n_attn += has_attention(i), n_ve += has_value_embed(i);
+        CHECK(shape("attn") == (std::vector<int64_t>{n_attn, 4 * 768, 768}) && n_attn == 10, "attention bank: %d layers", n_attn);
+        CHECK(shape("attn_gate_bank") == (std::vector<int64_t>{n_attn, 6, 12}), "attention-gate bank");
+        CHECK(shape("ve_gate_bank") == (std::vector<int64_t>{n_ve, 6, 12}) && n_ve == 5, "ve-gate bank: %d layers", n_ve);
+        CHECK(shape("mlp") == (std::vector<int64_t>{12, 2, 4 * 768, 768}), "MLP bank: 11 layers + 1 padding slot");
+        CHECK(shape("x0_lambdas") == (std::vector<int64_t>{NUM_LAYERS}), "x0 lambdas: one per layer");
+    }
+    // the log's layer map, skip and backout
+    Hyperparameters a;
+    const std::string cfg = configuration_text(a, 1, ".", "");
+    CHECK(cfg.find("layers = 0:paired-attn[bank 0]+ve1[gate 0]+mlp 1:attn[bank 1]+ve2[gate 1]+mlp 2:paired-attn[bank 2]+mlp "
+                   "3:attn[bank 3,long,key-offset]+mlp 4:attn[bank 4]+mlp 5:paired-attn[bank 5]+mlp 6:no-attn+mlp "
+                   "7:attn[bank 6]+mlp 8:attn[bank 7]+ve0[gate 2]+mlp 9:paired-attn[bank 8]+ve1[gate 3]+mlp "
+                   "10:attn[bank 9,long,key-offset]+ve2[gate 4]+mlp\nskip = 3->6\nbackout_layer = 7\n") != std::string::npos,
+          "layer map in the configuration:\n%s", cfg.c_str());
+    // what the configuration block says of the schedule, the warmup and the step plan, for the
+    // shortened textmix schedule (150 + 10 steps) at world size 2
+    Hyperparameters s;
+    parse_args(s, {"--num_scheduled_iterations", "150", "--num_extension_iterations", "10"});
+    const std::string sc = configuration_text(s, 2, ".", "");
+    for (const char* line :
+         {"num_iterations = 160\nsplit_step = 101\ntransition_steps = 50,100,150\n"
+          "warmup_steps = 0,1,2,49,50,51,99,100,101,149,150,151\n"
+          "yarn_attn_scales = 0.1,0.11694595720774409,0.12751752379570258,0.1317779884389435\n",
+          "step_plan[no-adam,tied] = reduce_scatter(attn) reduce_scatter(mlp) update(attn) all_gather(attn) update(mlp) "
+          "all_gather(mlp)\n",
+          "step_plan[adam,untied] = reduce_scatter(attn) reduce_scatter(mlp) all_reduce(scalars) reduce_scatter(ve0) "
+          "reduce_scatter(ve1) reduce_scatter(ve2) all_reduce(smear_gate) all_reduce(skip_gate) all_reduce(attn_gate_bank) "
+          "all_reduce(ve_gate_bank) all_reduce(x0_lambdas) reduce_scatter(lm_head) reduce_scatter(embed) update(scalars) "
+          "update(smear_gate) update(skip_gate) update(attn_gate_bank) update(ve_gate_bank) update(x0_lambdas) update(ve0) "
+          "all_gather(ve0) update(ve1) all_gather(ve1) update(ve2) all_gather(ve2) update(lm_head) all_gather(lm_head) "
+          "update(embed) all_gather(embed) update(attn) all_gather(attn) update(mlp) all_gather(mlp)\n"})
+        CHECK(sc.find(line) != std::string::npos, "configuration lacks:\n%s\nin:\n%s", line, sc.c_str());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -724,9 +796,9 @@ static void test_logging() {
     CHECK(p.train_gpt == src && p.triton_kernels == kern, "split_log sources");
     CHECK(p.configuration.find("val_tokens = 10485760\n") != std::string::npos, "split_log configuration");
     std::string changed = src;
-    size_t at = changed.find("double adam_lr = 0.008;");
+    size_t at = changed.find("X(F64, adam_lr, 0.008,");
     CHECK(at != std::string::npos, "adam_lr default line");
-    if (at != std::string::npos) changed.replace(at, 23, "double adam_lr = 0.009;");
+    if (at != std::string::npos) changed.replace(at, 22, "X(F64, adam_lr, 0.009,");
     Hyperparameters h2;
     h2.val_tokens = 2097152;
     make_log(lb, changed, h2);
@@ -735,8 +807,8 @@ static void test_logging() {
     if (!g_binary.empty()) {
         std::string out;
         int rc = run_shell("'" + g_binary + "' --diff-logs '" + la + "' '" + lb + "'", &out);
-        CHECK(rc == 1 && out.find("-    double adam_lr = 0.008;") != std::string::npos &&
-                  out.find("+    double adam_lr = 0.009;") != std::string::npos &&
+        CHECK(rc == 1 && out.find("-    X(F64, adam_lr, 0.008,") != std::string::npos &&
+                  out.find("+    X(F64, adam_lr, 0.009,") != std::string::npos &&
                   out.find("-val_tokens = 10485760") != std::string::npos && out.find("+val_tokens = 2097152") != std::string::npos,
               "--diff-logs of two different runs (exit %d):\n%s", rc, out.c_str());
         rc = run_shell("'" + g_binary + "' --diff-logs '" + la + "' '" + lc + "'", &out);
@@ -840,6 +912,7 @@ int main(int argc, char** argv) {
                                                          {"bad input", test_bad_input},
                                                          {"sharding", test_sharding},
                                                          {"step plan", test_step_plan},
+                                                         {"layers", test_layer_table},
                                                          {"init", test_init},
                                                          {"logging", test_logging}};
     for (auto [name, fn] : groups) {
