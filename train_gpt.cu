@@ -5,8 +5,8 @@
 // lm_head, fused soft-capped multi-token-prediction cross-entropy. Heavy kernels live in
 // triton_kernels.cu (named after the record's triton_kernels.py so the two map one to one).
 //
-// Reads top to bottom like the record: hyperparameters, helpers (errors, flags), GEMMs and fp8
-// ops, optimizer, model, data, training manager (schedules), logging, main. Both sources are
+// Reads top to bottom like the record: hyperparameters and the layer table, helpers (errors,
+// flags), GEMMs and fp8 ops, optimizer, model, data, training manager, logging, main. Both sources are
 // embedded in the binary at build time and written at the top of every log, so a log always holds
 // the code that ran.
 
@@ -102,6 +102,7 @@ extern char** environ;
     X(I64_LIST, ws_schedule, LIST(3, 7, 11), "long window (blocks) by equal parts of the scheduled steps")          \
     X(I64, ws_final, 13, "long window (blocks) of the extension steps (@classiclarryd)")                            \
     X(I64, ws_validate_post_yarn_ext, 20, "long window (blocks) of the final validation, no new YaRN update")       \
+    /* 0.1, inspired by 0.12 from @leloykun and learnable scalars used by @brendanh0gan */                           \
     X(F64, attn_scale_init, 0.1, "attention softmax scale before YaRN updates")                                     \
     X(I64, yarn_alpha, 1, "YaRN interpolation ramp start (rotations)")                                              \
     X(I64, yarn_beta, 32, "YaRN interpolation ramp end (rotations)")                                                \
@@ -130,7 +131,7 @@ struct Hyperparameters {
 // The model's shape. The parameter banks are sized from these and from the layer table below.
 
 constexpr int VOCAB_SIZE = 50257;
-constexpr int PADDED_VOCAB_SIZE = 50304;  // next multiple of 128: only 50257 GPT-2 tokens exist
+constexpr int PADDED_VOCAB_SIZE = 50304;  // next multiple of 128 (@Grad62304977, after Karpathy's experiments)
 constexpr int NUM_LAYERS = 11;
 constexpr int NUM_HEADS = 6;
 constexpr int HEAD_DIM = 128;
@@ -169,9 +170,9 @@ constexpr LayerSpec LAYERS[] = {
     {AttnKind::Paired, false, 1},   // 9
     {AttnKind::Normal, true, 2},    // 10
 };
-constexpr int SKIP_IN = 3;        // this layer's output is the U-net skip's source (long window)
-constexpr int SKIP_OUT = 6;       // it joins this layer's input, gated by x0 (no attention there)
-constexpr int BACKOUT_LAYER = 7;  // this layer's output is backed out before the head (@classiclarryd)
+constexpr int SKIP_IN = 3;        // skip_in: this layer's output is the U-net skip's source
+constexpr int SKIP_OUT = 6;       // skip_out: the skip joins this layer's input, gated by x0
+constexpr int BACKOUT_LAYER = 7;  // this layer's output is backed out before the head
 
 constexpr bool has_attention(int layer) { return LAYERS[layer].attn != AttnKind::None; }
 constexpr bool paired_head(int layer) { return LAYERS[layer].attn == AttnKind::Paired; }
@@ -207,8 +208,11 @@ constexpr bool layer_table_is_valid() {
 }
 static_assert(sizeof(LAYERS) / sizeof(LAYERS[0]) == NUM_LAYERS, "the layer table needs one row per layer");
 static_assert(layer_table_is_valid(), "a layer without attention has no window or value embedding; ve is -1 or 0-2");
-static_assert(0 <= SKIP_IN && SKIP_IN < SKIP_OUT && SKIP_OUT < NUM_LAYERS, "the skip goes forward, between layers");
-static_assert(0 <= BACKOUT_LAYER && BACKOUT_LAYER < NUM_LAYERS - 1, "the backout source is a layer before the last");
+// the skip and the backout read their sources from the next layer's input buffer, which the skip
+// then changes in place: neither source may be the skip target's own input
+static_assert(0 <= SKIP_IN && SKIP_IN + 1 < SKIP_OUT && SKIP_OUT < NUM_LAYERS, "the skip goes forward over a layer");
+static_assert(0 <= BACKOUT_LAYER && BACKOUT_LAYER < NUM_LAYERS - 1 && BACKOUT_LAYER + 1 != SKIP_OUT,
+              "the backout source is the output of a layer before the last, not the skip target's input");
 static_assert(ATTN_BANK_SLOTS >= NUM_ATTN_LAYERS && ATTN_GATE_BANK_SLOTS == NUM_ATTN_LAYERS,
               "the attention bank holds a slot per attention layer, the attention-gate bank one each");
 static_assert(VE_GATE_BANK_SLOTS == NUM_VE_LAYERS, "the value-embedding gate bank holds one slot per ve layer");
@@ -1699,11 +1703,11 @@ class Model {
         float* scalars = (float*)p_["scalars"].data;
         float* x0_lambdas = (float*)p_["x0_lambdas"].data;
 
-        // embeddings; value embeddings 0, 1, 2 (the 012 ... 012 structure of @YouJiacheng, less layers 2-7)
+        // the token embedding and the value embeddings ve0..ve2 (LAYERS[i].ve picks one per layer)
         CUDA_CHECK(embedding_forward(tokens, T, bf(p_["embed"].data), emb_, D, s));
         for (int k = 0; k < NUM_VALUE_EMBEDS; ++k)
             CUDA_CHECK(embedding_forward(tokens, T, bf(p_["ve" + std::to_string(k)].data), ve_[k], D, s));
-        // smear the token embedding forward one position, then x = x0 = norm(x)
+        // smear the token embedding forward one position (@classiclarryd), then x = x0 = norm(x)
         gate::Params sm = row_gate(T, emb_, bf(p_["smear_gate"].data), scalars + SCALAR_SMEAR);
         sm.a = emb_, sm.out = xs_;
         CUDA_CHECK(gate_forward(GateKind::Smear, sm, s));
@@ -1727,7 +1731,8 @@ class Model {
                                i > 0 && i != SKIP_OUT ? bad_ : nullptr, i - 1));
             if (has_attention(i)) attention_forward_block(i, s);  // x_attn = x_mix + attention
             else if (l.x_attn != l.x_mix) CUDA_CHECK(cudaMemcpyAsync(l.x_attn, l.x_mix, TD * 2, cudaMemcpyDeviceToDevice, s));
-            // MLP: x += relu(norm(x) c_fc^T)^2 c_proj
+            // MLP: x += relu(norm(x) c_fc^T)^2 c_proj (ReLU^2: arXiv 2109.08668, suggested by @SKYLINEZ007 and
+            // @Grad62304977)
             CUDA_CHECK(rms_norm_forward(l.x_attn, D, l.xn_m, D, l.rstd_m, T, D, RMS_NORM_EPS, s));
             gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, l.xn_m, D, c_fc(i), D, l.pre, 4 * D, false);
             CUDA_CHECK(relu_square_forward(l.pre, l.post, (int64_t)T * 4 * D, s));
@@ -1735,7 +1740,7 @@ class Model {
             gemms_.bf16(s, Op::N, Op::N, T, D, 4 * D, l.post, 4 * D, c_proj(i), D, out, D, false, 1.f, 1.f, l.x_attn);
             x = out;
         }
-        // back out layers 0-7's contribution (@classiclarryd; layer 7's output is layer 8's input), final norm
+        // back out the contribution of layers 0..BACKOUT_LAYER (only needed as context), then the final norm
         CUDA_CHECK(combine(x_back_, x_last_, backout_source(), TD, {nullptr, 0.f, 1.f}, {scalars + SCALAR_BACKOUT, -1.f, 0.f}, s,
                            bad_, NUM_LAYERS - 1));
         CUDA_CHECK(rms_norm_forward(x_back_, D, xn_, D, rstd_f_, T, D, RMS_NORM_EPS, s));
@@ -1898,7 +1903,9 @@ class Model {
         return qr;
     }
 
-    // x_attn = x_mix + O(gate(attention(rope(norm(q)), rope(norm(k)), v + ve gate))) of norm(x_mix)
+    // x_attn = x_mix + O(gate(attention(rope(norm(q)), rope(norm(k)), v + ve gate))) of norm(x_mix): QK norm
+    // (@Grad62304977), value embeddings gated into v (@KoszarskyB, @Grad62304977), varlen flash attention
+    // (over flex attention, @varunneal; varlen suggested by @YouJiacheng), output gate (@classiclarryd)
     void attention_forward_block(int i, cudaStream_t s) {
         Layer& l = layer(i);
         const int T = T_;
@@ -1972,7 +1979,9 @@ class Model {
     }
 
     // lm_head (fp8 in training, @YouJiacheng; transposed weight, @ChrisJMcCormick) on norm(x) in
-    // xn_, then the soft-capped cross-entropy, chunk by chunk of rows. In training each chunk's
+    // xn_, then the soft-capped cross-entropy (tanh soft-capping after Gemma 2 by @Grad62304977,
+    // reduced from 30 to 15 by @KoszarskyB, shifted by +15 by @YouJiacheng, 23 sigmoid((l + 5) / 7.5)
+    // by @classiclarryd), chunk by chunk of rows. In training each chunk's
     // backward follows at once: the gradient (e5m2) of the logits gives d norm(x) and the lm_head's
     // gradient, as the record's mm_t backward does.
     float head_and_loss(cudaStream_t s) {

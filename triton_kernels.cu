@@ -1,22 +1,71 @@
-// triton_kernels.cu: the custom CUDA kernels of the trainer, included by train_gpt.cu.
+// triton_kernels.cu: the custom CUDA kernels of the trainer and their host wrappers, included by
+// train_gpt.cu.
 //
-// Named after record 61's triton_kernels.py so the two map one to one. It holds the kernels that
-// the Python record gets from Triton and FlashAttention-3; each has an oracle test in tests/.
-// So far: varlen causal sliding-window flash attention (forward and deterministic backward).
-// To come: the symmetric X@X^T and b*A + c*A@A of Polar Express, the fused linear+ReLU^2, the
-// fused soft-capped multi-token-prediction cross-entropy, the tiled transposes of the tied embedding.
+// Named after record 61's triton_kernels.py, whose kernels it holds, together with the rest of the
+// record's forward, backward and optimizer step that is neither a GEMM (cuBLASLt, in train_gpt.cu)
+// nor a collective (NCCL): what the record gets from FlashAttention-3, eager torch and torch.compile.
+// Each op has a namespace for its kernels, followed by its host wrappers (plain functions returning
+// the launch's cudaError_t: what train_gpt.cu calls); an op's forward and backward sit side by side.
+// tests/test_gpu.cu checks each, alone against a CPU reference or within the model and optimizer
+// oracles. Credits, as the record gives them, are in the sections' comments.
+//
+// Index (sections in file order): record 61's op        namespace  host wrapper(s)
+//   (shared device helpers; the SM count)               tk         num_sms, grid_stride_blocks, allow_smem
+//   flash_attn_varlen_func (FA3), forward               attn       attention_forward (attention_schedule,
+//                                                                  attention_tiles_bytes)
+//   flash_attn_varlen_func (FA3), backward              attn       attention_backward
+//   FusedSoftcappedCrossEntropy forward                 ce         softcapped_cross_entropy
+//     (fused_softcapped_entropy_fwd_kernel; in eval,
+//     23 sigmoid((logits + 5) / 7.5) + F.cross_entropy)
+//   FusedSoftcappedCrossEntropy backward                ce         softcapped_ce_grad_fp8
+//     (fused_softcapped_entropy_bwd_kernel) and the
+//     grad.div(grad_s) e5m2 cast of mm_t_backward_op
+//   norm = F.rms_norm, forward / backward               rmsnorm    rms_norm_forward / rms_norm_backward
+//   linear_relu_square's epilogues (FusedLinear-        relu2      relu_square_forward / relu_square_backward
+//     ReLUSquareFunction): relu(pre)^2, and with
+//     aux=pre 2 dpost relu(pre); its GEMMs: cuBLASLt
+//   mm_t_op's fp8 casts of x and w (e4m3), row-major    fp8cast    cast_to_fp8
+//     and transposed (the backward's x_f8.T, w_f8.T)
+//   QK norm + rotary (Yarn, YarnPairedHead) + the       qkrope     rope_table (Yarn's cos/sin tables),
+//     key_offset shift: forward / backward                         qk_norm_rope_forward / qk_norm_rope_backward
+//   XXT, ba_plus_cAA (polar_express's iterations)       sym        symmetric_product
+//   polar_express's X / (||X||_F (1 + 2e-2) + 1e-6)     opt        frobenius_normalize
+//   polar_express's X.mT of tall matrices               opt        transpose_bf16
+//   NorMuon momentum (_normuon_update's two lerp_)      opt        nesterov_momentum
+//   NorMuon _apply_normuon_variance_reduction           opt        normuon_variance (normuon_variance_workspace)
+//   NorMuon _cautious_wd_and_update_inplace             opt        normuon_apply
+//   Adam _adam_update_step (cautious wd too)            opt        adam_update
+//   tied embedding: embed.grad.T into lm_head.grad;     opt        transpose (accumulate / copy)
+//     lm_head.data.T into embed.data
+//   nn.Embedding forward (embed, value_embeds)          embed      embedding_forward
+//   nn.Embedding backward                               embed      EmbeddingBackward::sort, ::accumulate
+//   value-embedding gate, forward / backward            gate       gate_forward / gate_backward, ValueEmbedding
+//   attention output gate (attn_gate_w)                 gate       gate_forward / gate_backward, Output
+//   smear gate                                          gate       gate_forward / gate_backward, Smear
+//   skip gate                                           gate       gate_forward / gate_backward, Skip
+//   resid_lambdas x + x0_lambdas x0; backout            scal       combine / combine_backward
+//   norm(x)'s backward + the mixing's, in one pass      scal       norm_mix_backward
+//   sa_lambdas * qkvo_w (QKV's and O's)                 scal       scale_weight / scale_weight_backward
+//   losses.sum() (training); the mean loss (eval)       red        sum_floats
+//   mm_t_backward_op's fp32 grad_w into lm_head.grad    red        add_to_bf16
+//   NaN / inf check of the layers' outputs (ours)       red        check_finite
+// (ValueEmbedding .. Skip: the GateKind argument.)
+
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cub/device/device_radix_sort.cuh>
 #include <cuda_runtime.h>
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 // -----------------------------------------------------------------------------
-// Building blocks: wgmma (Hopper warpgroup MMA, bf16 in, fp32 accumulate) and cp.async. Register
-// fragments follow the PTX ISA's wgmma m64nNk16 layouts: warp w of the group holds rows 16w..16w+15;
-// accumulator element [n8 tile i][e] sits at row lane/4 (+8 for e >= 2), column 8i + 2(lane%4) + e%2.
+// Building blocks: wgmma (Hopper warpgroup MMA, bf16 in, fp32 accumulate) and cp.async, bf16 vector
+// loads, warp and block sums, and the host's launch helpers (shared memory, the SM count that caps
+// the grid-stride grids). Register fragments follow the PTX ISA's wgmma m64nNk16 layouts: warp w of
+// the group holds rows 16w..16w+15; accumulator element [n8 tile i][e] sits at row lane/4
+// (+8 for e >= 2), column 8i + 2(lane%4) + e%2.
 
 namespace tk {
 
@@ -65,6 +114,25 @@ inline cudaError_t allow_smem(Kernel kernel, int bytes, bool& done) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     done = e == cudaSuccess;
     return e;
+}
+
+// The device's SM count (132 on an H200), queried once per device and kept: it caps the grids of
+// the grid-stride kernels at a few CTAs an SM, enough to fill any device (their results do not
+// depend on the grid). Where the runtime cannot tell, 132: the H200's, which the caps were tuned on.
+inline int num_sms() {
+    constexpr int MAX_DEVICES = 64;
+    static std::atomic<int> count[MAX_DEVICES];  // zero-initialized: not queried yet
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= MAX_DEVICES) return 132;
+    int n = count[dev].load(std::memory_order_relaxed);
+    if (n > 0) return n;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) return 132;
+    count[dev].store(n, std::memory_order_relaxed);
+    return n;
+}
+// CTAs of 256 threads for a grid-stride loop over n items: one item a thread, at most per_sm CTAs an SM
+inline unsigned grid_stride_blocks(int64_t n, int per_sm) {
+    return (unsigned)std::min<int64_t>((n + 255) / 256, (int64_t)num_sms() * per_sm);
 }
 
 // 16-byte async copy global -> shared; src_bytes 0 fills the 16 bytes with zeros
@@ -130,7 +198,8 @@ __device__ __forceinline__ void store8(__nv_bfloat16* p, const float f[8]) {
 // one QKV buffer), sequences given by cu_seqlens (int32, padded with repeated final values, each
 // entry times cu_mult: 2 for the paired-head layout, whose 2T positions interleave head pairs).
 // Online-softmax tiles (FlashAttention-2 schedule) on Hopper wgmma; the backward is deterministic:
-// dK/dV by key tile and dQ by query tile in two kernels, no atomics.
+// dK/dV by key tile and dQ by query tile in two kernels, no atomics. (In the record: flash_attn over
+// flex_attn by @varunneal, flash_attn_varlen suggested by @YouJiacheng.)
 
 namespace attn {
 
@@ -657,9 +726,13 @@ inline cudaError_t attention_backward(const attn::Params& p, cudaStream_t stream
 // FusedSoftcappedCrossEntropy): z = a * sigmoid((logit + b) / c), lse = log sum exp z, and the row's
 // loss sum_k w_k (lse - z[target[row + k]]) over the k with row + k < rows. Evaluation (weights
 // {1}) gives the plain next-token loss. z < a bounds exp(z), so the sum needs no running maximum.
-// One CTA per row; vocab a multiple of 8 (16-byte loads). In training a second kernel (after the
-// fp8 casts below) turns the logits and each row's lse into the gradient, already in fp8:
+// One CTA per row; vocab a multiple of 8 (16-byte loads). In training a second kernel (below)
+// turns the logits and each row's lse into the gradient, already in fp8:
 //   dlogit = grad_scale * (sum_k w_k * softmax(z) - sum_k w_k [col == target[row + k]]) * z (1 - z/a) / c
+// The soft-cap, as the record tells it: @Grad62304977 added tanh softcapping following the Gemma 2
+// paper, @KoszarskyB reduced it from 30 to 15, @YouJiacheng shifted it by +15
+// (2 sigmoid(2x) = tanh(x) + 1), @classiclarryd updated it to 23 sigmoid((logits + 5) / 7.5)
+// (a, b, c = 23, 5, 7.5). Multi-token prediction's weight schedule: @varunneal.
 
 namespace ce {
 
@@ -708,6 +781,8 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return red[0];
 }
 
+// ---- forward: each row's loss and lse, one CTA per row ----
+
 __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) {
     __shared__ float red[THREADS / 32];
     const int row = blockIdx.x;
@@ -753,6 +828,113 @@ __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) 
     }
 }
 
+// ---- backward: the gradient, in fp8 for the lm_head's GEMMs ----
+//
+// The cross-entropy's gradient straight to fp8 (e5m2, / grad_s), in both layouts the lm_head's
+// backward GEMMs read: g8 (rows x vocab) for d norm(x) = g w^T and g8t (vocab x rows) for
+// d lm_head = x^T g (fp8 GEMMs take K-major operands only). One pass over the logits instead of a
+// bf16 gradient and two casts of it. Rounds through bf16 first, as the record's bf16 gradient does.
+//
+// The pass is bound by the SFU (three exp/reciprocals per logit), so everything else is kept out of
+// the inner loop: the row's constants fold into one exponent offset, d = 2^(z log2e - off) with
+// off = lse log2e - log2(grad_scale wsum / c), and the targets' -w terms are applied only where a
+// thread's 8 columns hold a target. A CTA takes 64 rows and GT tiles of 128 columns; each thread
+// 4 rows x 8 columns, whose 4-row column slices go to shared memory as 32-bit words for the
+// transposed store. The next tile's logits are loaded before this tile's transposed store.
+
+constexpr int GR = 64, GC = 128, GT = 4;  // rows, columns per tile; tiles per CTA along the vocabulary
+constexpr int GPITCH = GR + 4;            // bytes per column of the transposed tile (word-aligned)
+
+__device__ __forceinline__ void load_logits(const Params& p, int r0, int col, uint4 raw[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        raw[i] = r0 + i < p.rows && col < p.vocab
+                     ? __ldcs(reinterpret_cast<const uint4*>(p.logits + (int64_t)(r0 + i) * p.ld + col))
+                     : make_uint4(0, 0, 0, 0);
+}
+
+__global__ void __launch_bounds__(256, 3) grad_fp8_kernel(const Params p, uint8_t* g8, int64_t ld8, uint8_t* g8t,
+                                                       int64_t ld8t, float inv_grad_s) {
+    __shared__ __align__(16) uint8_t tile[2][GC * GPITCH];  // [col][row], double-buffered
+    const int t = threadIdx.x, rg = t / 16, cg = t % 16;
+    const int r0 = blockIdx.y * GR + rg * 4;  // this thread's first row
+    const float L2E = 1.4426950408889634f;
+    const float K = p.grad_scale / p.c, A1 = -L2E / p.c, B1 = -p.b * L2E / p.c, inv_a = 1.f / p.a;
+    float off[4];
+    int tgt[4][MAX_PREDICT];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int row = r0 + i;
+        float wsum = 0.f;
+#pragma unroll
+        for (int k = 0; k < MAX_PREDICT; ++k) {
+            const bool on = row < p.rows && k < p.n_predict && row + k < p.target_rows;
+            tgt[i][k] = on ? p.targets[row + k] : -1;
+            if (on) wsum += p.w[k];
+        }
+        off[i] = row < p.rows && wsum > 0.f ? p.lse[row] * L2E - log2f(K * wsum) : INFINITY;  // 2^-inf = 0
+    }
+    const int cbase = blockIdx.x * GC * GT;
+    uint4 raw[4];
+    load_logits(p, r0, cbase + cg * 8, raw);
+#pragma unroll 1
+    for (int j = 0; j < GT; ++j) {
+        const int c0 = cbase + j * GC, col = c0 + cg * 8;
+        if (c0 >= p.vocab) break;  // the same for the whole CTA
+        uint32_t pk[4][4];         // [row][column pair]: two e5m2 values in the low 16 bits
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+            float g[8], tz[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float x = __uint_as_float(e % 2 ? w[e / 2] & 0xffff0000u : w[e / 2] << 16);
+                const float z = __fdividef(p.a, 1.f + fast_exp2(fmaf(x, A1, B1)));  // softcap
+                tz[e] = fmaf(-z * inv_a, z, z);                                 // z (1 - z/a): d softcap / c
+                g[e] = fast_exp2(fmaf(z, L2E, -off[i])) * tz[e];
+            }
+            bool hit = false;
+#pragma unroll
+            for (int k = 0; k < MAX_PREDICT; ++k) hit |= (unsigned)(tgt[i][k] - col) < 8u;
+            if (hit) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+#pragma unroll
+                    for (int k = 0; k < MAX_PREDICT; ++k)
+                        if (col + e == tgt[i][k]) g[e] -= K * p.w[k] * tz[e];
+            }
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float2 gb = __bfloat1622float2(__floats2bfloat162_rn(g[2 * q], g[2 * q + 1]));
+                pk[i][q] = __nv_cvt_float2_to_fp8x2(make_float2(gb.x * inv_grad_s, gb.y * inv_grad_s), __NV_SATFINITE,
+                                                    __NV_E5M2);
+            }
+            if (r0 + i < p.rows && col < p.vocab)
+                *reinterpret_cast<uint2*>(g8 + (int64_t)(r0 + i) * ld8 + col) =
+                    make_uint2(pk[i][0] | pk[i][1] << 16, pk[i][2] | pk[i][3] << 16);
+        }
+        if (j + 1 < GT) load_logits(p, r0, col + GC, raw);
+        // each column's 4 rows as one word: [row0, row1, row2, row3]
+        uint8_t* buf = tile[j & 1];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const uint32_t lo01 = __byte_perm(pk[0][q], pk[1][q], 0x5140), lo23 = __byte_perm(pk[2][q], pk[3][q], 0x5140);
+            *reinterpret_cast<uint32_t*>(buf + (cg * 8 + 2 * q) * GPITCH + rg * 4) = __byte_perm(lo01, lo23, 0x5410);
+            *reinterpret_cast<uint32_t*>(buf + (cg * 8 + 2 * q + 1) * GPITCH + rg * 4) = __byte_perm(lo01, lo23, 0x7632);
+        }
+        __syncthreads();  // (double buffering: the next tile writes the other buffer)
+        // transposed: 128 columns x 4 vectors of 16 rows, two passes of 64 columns
+        const int rb = blockIdx.y * GR;
+#pragma unroll
+        for (int pass = 0; pass < 2; ++pass) {
+            const int c = pass * 64 + t / 4, r = (t % 4) * 16;
+            if (c0 + c >= p.vocab || rb + r >= p.rows) continue;
+            const uint32_t* src = reinterpret_cast<const uint32_t*>(buf + c * GPITCH + r);
+            *reinterpret_cast<uint4*>(g8t + (int64_t)(c0 + c) * ld8t + rb + r) = make_uint4(src[0], src[1], src[2], src[3]);
+        }
+    }
+}
+
 }  // namespace ce
 
 // the rows' losses (and lse where p.lse is set)
@@ -760,6 +942,18 @@ inline cudaError_t softcapped_cross_entropy(const ce::Params& p, cudaStream_t st
     if (p.vocab % 8 != 0 || p.ld % 8 != 0 || p.n_predict < 1 || p.n_predict > ce::MAX_PREDICT)
         return cudaErrorInvalidValue;
     ce::softcapped_ce_kernel<<<p.rows, ce::THREADS, 0, stream>>>(p);
+    return cudaGetLastError();
+}
+
+// p as for softcapped_cross_entropy, with p.lse from it; rows a multiple of 16, vocab of 8,
+// ld8 and ld8t of 16
+inline cudaError_t softcapped_ce_grad_fp8(const ce::Params& p, uint8_t* g8, int64_t ld8, uint8_t* g8t, int64_t ld8t,
+                                          float grad_s, cudaStream_t stream) {
+    if (p.rows % 16 || p.vocab % 8 || p.ld % 8 || ld8 % 16 || ld8t % 16 || !p.lse || p.n_predict < 1 ||
+        p.n_predict > ce::MAX_PREDICT)
+        return cudaErrorInvalidValue;
+    dim3 grid((p.vocab + ce::GC * ce::GT - 1) / (ce::GC * ce::GT), (p.rows + ce::GR - 1) / ce::GR);
+    ce::grad_fp8_kernel<<<grid, 256, 0, stream>>>(p, g8, ld8, g8t, ld8t, 1.f / grad_s);
     return cudaGetLastError();
 }
 
@@ -862,6 +1056,8 @@ inline cudaError_t rms_norm_backward(const __nv_bfloat16* x, int64_t ldx, const 
 // -----------------------------------------------------------------------------
 // ReLU^2 of the MLP (record 61 fuses it into the c_fc GEMM's epilogue; here one pass after it):
 // forward post = relu(pre)^2; backward dpre = 2 dpost relu(pre). bf16, 8 elements per thread.
+// relu(x)^2 (arXiv 2109.08668): suggested by @SKYLINEZ007 and @Grad62304977; the record's fused
+// linear_relu_square kernel: @andrewbriand, @jrauvola.
 
 namespace relu2 {
 
@@ -892,22 +1088,23 @@ __global__ void bwd_kernel(const __nv_bfloat16* pre, const __nv_bfloat16* dpost,
 inline cudaError_t relu_square_forward(const __nv_bfloat16* pre, __nv_bfloat16* post, int64_t n, cudaStream_t stream) {
     if (n % 8) return cudaErrorInvalidValue;
     const int64_t n8 = n / 8;
-    relu2::fwd_kernel<<<(unsigned)std::min<int64_t>((n8 + 255) / 256, 132 * 16), 256, 0, stream>>>(pre, post, n8);
+    relu2::fwd_kernel<<<tk::grid_stride_blocks(n8, 16), 256, 0, stream>>>(pre, post, n8);
     return cudaGetLastError();
 }
 inline cudaError_t relu_square_backward(const __nv_bfloat16* pre, const __nv_bfloat16* dpost, __nv_bfloat16* dpre,
                                         int64_t n, cudaStream_t stream) {
     if (n % 8) return cudaErrorInvalidValue;
     const int64_t n8 = n / 8;
-    relu2::bwd_kernel<<<(unsigned)std::min<int64_t>((n8 + 255) / 256, 132 * 16), 256, 0, stream>>>(pre, dpost, dpre, n8);
+    relu2::bwd_kernel<<<tk::grid_stride_blocks(n8, 16), 256, 0, stream>>>(pre, dpost, dpre, n8);
     return cudaGetLastError();
 }
 
 // -----------------------------------------------------------------------------
-// fp8 casts of the lm_head (@YouJiacheng's static scales): dst = fp8(src / scale), saturating to
-// the format's largest finite value, e4m3 (activations, weights) or e5m2 (gradients). cuBLASLt's fp8
-// GEMMs want both operands contiguous along the contracted dimension, so the cast optionally
-// transposes (64 x 64 tiles through shared memory: reads and writes stay coalesced).
+// fp8 casts of the lm_head (the record's FP8 matmul mm_t_op by @YouJiacheng, with its static
+// scales; the lm_head's transposed (in, out) weight layout by @ChrisJMcCormick): dst = fp8(src /
+// scale), saturating to the format's largest finite value, e4m3 (activations, weights) or e5m2
+// (gradients). cuBLASLt's fp8 GEMMs want both operands contiguous along the contracted dimension, so
+// the cast optionally transposes (64 x 64 tiles through shared memory: reads and writes stay coalesced).
 
 namespace fp8cast {
 
@@ -965,126 +1162,6 @@ __global__ void cast_transpose_kernel(const __nv_bfloat16* src, int64_t lds, uin
 
 }  // namespace fp8cast
 
-// The cross-entropy's gradient straight to fp8 (e5m2, / grad_s), in both layouts the lm_head's
-// backward GEMMs read: g8 (rows x vocab) for d norm(x) = g w^T and g8t (vocab x rows) for
-// d lm_head = x^T g (fp8 GEMMs take K-major operands only). One pass over the logits instead of a
-// bf16 gradient and two casts of it. Rounds through bf16 first, as the record's bf16 gradient does.
-//
-// The pass is bound by the SFU (three exp/reciprocals per logit), so everything else is kept out of
-// the inner loop: the row's constants fold into one exponent offset, d = 2^(z log2e - off) with
-// off = lse log2e - log2(grad_scale wsum / c), and the targets' -w terms are applied only where a
-// thread's 8 columns hold a target. A CTA takes 64 rows and GT tiles of 128 columns; each thread
-// 4 rows x 8 columns, whose 4-row column slices go to shared memory as 32-bit words for the
-// transposed store. The next tile's logits are loaded before this tile's transposed store.
-namespace ce {
-
-constexpr int GR = 64, GC = 128, GT = 4;  // rows, columns per tile; tiles per CTA along the vocabulary
-constexpr int GPITCH = GR + 4;            // bytes per column of the transposed tile (word-aligned)
-
-__device__ __forceinline__ void load_logits(const Params& p, int r0, int col, uint4 raw[4]) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-        raw[i] = r0 + i < p.rows && col < p.vocab
-                     ? __ldcs(reinterpret_cast<const uint4*>(p.logits + (int64_t)(r0 + i) * p.ld + col))
-                     : make_uint4(0, 0, 0, 0);
-}
-
-__global__ void __launch_bounds__(256, 3) grad_fp8_kernel(const Params p, uint8_t* g8, int64_t ld8, uint8_t* g8t,
-                                                       int64_t ld8t, float inv_grad_s) {
-    __shared__ __align__(16) uint8_t tile[2][GC * GPITCH];  // [col][row], double-buffered
-    const int t = threadIdx.x, rg = t / 16, cg = t % 16;
-    const int r0 = blockIdx.y * GR + rg * 4;  // this thread's first row
-    const float L2E = 1.4426950408889634f;
-    const float K = p.grad_scale / p.c, A1 = -L2E / p.c, B1 = -p.b * L2E / p.c, inv_a = 1.f / p.a;
-    float off[4];
-    int tgt[4][MAX_PREDICT];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int row = r0 + i;
-        float wsum = 0.f;
-#pragma unroll
-        for (int k = 0; k < MAX_PREDICT; ++k) {
-            const bool on = row < p.rows && k < p.n_predict && row + k < p.target_rows;
-            tgt[i][k] = on ? p.targets[row + k] : -1;
-            if (on) wsum += p.w[k];
-        }
-        off[i] = row < p.rows && wsum > 0.f ? p.lse[row] * L2E - log2f(K * wsum) : INFINITY;  // 2^-inf = 0
-    }
-    const int cbase = blockIdx.x * GC * GT;
-    uint4 raw[4];
-    load_logits(p, r0, cbase + cg * 8, raw);
-#pragma unroll 1
-    for (int j = 0; j < GT; ++j) {
-        const int c0 = cbase + j * GC, col = c0 + cg * 8;
-        if (c0 >= p.vocab) break;  // the same for the whole CTA
-        uint32_t pk[4][4];         // [row][column pair]: two e5m2 values in the low 16 bits
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const uint32_t w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
-            float g[8], tz[8];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const float x = __uint_as_float(e % 2 ? w[e / 2] & 0xffff0000u : w[e / 2] << 16);
-                const float z = __fdividef(p.a, 1.f + fast_exp2(fmaf(x, A1, B1)));  // softcap
-                tz[e] = fmaf(-z * inv_a, z, z);                                 // z (1 - z/a): d softcap / c
-                g[e] = fast_exp2(fmaf(z, L2E, -off[i])) * tz[e];
-            }
-            bool hit = false;
-#pragma unroll
-            for (int k = 0; k < MAX_PREDICT; ++k) hit |= (unsigned)(tgt[i][k] - col) < 8u;
-            if (hit) {
-#pragma unroll
-                for (int e = 0; e < 8; ++e)
-#pragma unroll
-                    for (int k = 0; k < MAX_PREDICT; ++k)
-                        if (col + e == tgt[i][k]) g[e] -= K * p.w[k] * tz[e];
-            }
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const float2 gb = __bfloat1622float2(__floats2bfloat162_rn(g[2 * q], g[2 * q + 1]));
-                pk[i][q] = __nv_cvt_float2_to_fp8x2(make_float2(gb.x * inv_grad_s, gb.y * inv_grad_s), __NV_SATFINITE,
-                                                    __NV_E5M2);
-            }
-            if (r0 + i < p.rows && col < p.vocab)
-                *reinterpret_cast<uint2*>(g8 + (int64_t)(r0 + i) * ld8 + col) =
-                    make_uint2(pk[i][0] | pk[i][1] << 16, pk[i][2] | pk[i][3] << 16);
-        }
-        if (j + 1 < GT) load_logits(p, r0, col + GC, raw);
-        // each column's 4 rows as one word: [row0, row1, row2, row3]
-        uint8_t* buf = tile[j & 1];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const uint32_t lo01 = __byte_perm(pk[0][q], pk[1][q], 0x5140), lo23 = __byte_perm(pk[2][q], pk[3][q], 0x5140);
-            *reinterpret_cast<uint32_t*>(buf + (cg * 8 + 2 * q) * GPITCH + rg * 4) = __byte_perm(lo01, lo23, 0x5410);
-            *reinterpret_cast<uint32_t*>(buf + (cg * 8 + 2 * q + 1) * GPITCH + rg * 4) = __byte_perm(lo01, lo23, 0x7632);
-        }
-        __syncthreads();  // (double buffering: the next tile writes the other buffer)
-        // transposed: 128 columns x 4 vectors of 16 rows, two passes of 64 columns
-        const int rb = blockIdx.y * GR;
-#pragma unroll
-        for (int pass = 0; pass < 2; ++pass) {
-            const int c = pass * 64 + t / 4, r = (t % 4) * 16;
-            if (c0 + c >= p.vocab || rb + r >= p.rows) continue;
-            const uint32_t* src = reinterpret_cast<const uint32_t*>(buf + c * GPITCH + r);
-            *reinterpret_cast<uint4*>(g8t + (int64_t)(c0 + c) * ld8t + rb + r) = make_uint4(src[0], src[1], src[2], src[3]);
-        }
-    }
-}
-
-}  // namespace ce
-
-// p as for softcapped_cross_entropy, with p.lse from it; rows a multiple of 16, vocab of 8,
-// ld8 and ld8t of 16
-inline cudaError_t softcapped_ce_grad_fp8(const ce::Params& p, uint8_t* g8, int64_t ld8, uint8_t* g8t, int64_t ld8t,
-                                          float grad_s, cudaStream_t stream) {
-    if (p.rows % 16 || p.vocab % 8 || p.ld % 8 || ld8 % 16 || ld8t % 16 || !p.lse || p.n_predict < 1 ||
-        p.n_predict > ce::MAX_PREDICT)
-        return cudaErrorInvalidValue;
-    dim3 grid((p.vocab + ce::GC * ce::GT - 1) / (ce::GC * ce::GT), (p.rows + ce::GR - 1) / ce::GR);
-    ce::grad_fp8_kernel<<<grid, 256, 0, stream>>>(p, g8, ld8, g8t, ld8t, 1.f / grad_s);
-    return cudaGetLastError();
-}
-
 // src: rows x cols bf16 (row stride lds); dst: rows x cols fp8 (ldd), or cols x rows when transposed.
 // rows and cols multiples of 16; strides multiples of 16 elements.
 inline cudaError_t cast_to_fp8(const __nv_bfloat16* src, int64_t lds, void* dst, int64_t ldd, int rows, int cols,
@@ -1098,7 +1175,7 @@ inline cudaError_t cast_to_fp8(const __nv_bfloat16* src, int64_t lds, void* dst,
         else fp8cast::cast_transpose_kernel<false><<<grid, 256, 0, stream>>>(src, lds, d, ldd, rows, cols, inv);
     } else {
         const int64_t n = (int64_t)rows * (cols / 8);
-        const unsigned blocks = (unsigned)std::min<int64_t>((n + 255) / 256, 132 * 16);
+        const unsigned blocks = tk::grid_stride_blocks(n, 16);
         if (e5m2) fp8cast::cast_kernel<true><<<blocks, 256, 0, stream>>>(src, lds, d, ldd, rows, cols, inv);
         else fp8cast::cast_kernel<false><<<blocks, 256, 0, stream>>>(src, lds, d, ldd, rows, cols, inv);
     }
@@ -1106,13 +1183,14 @@ inline cudaError_t cast_to_fp8(const __nv_bfloat16* src, int64_t lds, void* dst,
 }
 
 // -----------------------------------------------------------------------------
-// Attention prologue: QK RMSNorm (@Grad62304977), half-truncated rotary (@YouJiacheng) with the
-// YaRN-updated frequencies, and the partial key offset of the long-window layers (key dims 32-63
-// and 96-127 take the previous token's values: 1-layer induction). Reads q and k from the QKV
-// projection (T x 3*heads*128), writes them contiguous (T x heads x 128). Rotation of the pair
-// (2i, 2i+1) by theta = pos * freq[i] with bf16-rounded cos/sin as the record's tables; dims 64-127
-// have frequency zero. pos is the token, or for the paired-head layers 2*token + (head & 1): the
-// record rotates head pairs (2j, 2j+1) as one 256-wide row with even/odd positions.
+// Attention prologue: QK RMSNorm (@Grad62304977), half-truncated rotary (@YouJiacheng, with base
+// frequency tuning) with the YaRN-updated frequencies, and the partial key offset of the
+// long-window layers (key dims 32-63 and 96-127 take the previous token's values: 1-layer
+// induction). Reads q and k from the QKV projection (T x 3*heads*128), writes them contiguous
+// (T x heads x 128). Rotation of the pair (2i, 2i+1) by theta = pos * freq[i] with bf16-rounded cos/sin
+// as the record's tables; dims 64-127 have frequency zero. pos is the token, or for the paired-head
+// layers 2*token + (head & 1): the record rotates head pairs (2j, 2j+1) as one 256-wide row with
+// even/odd positions.
 // Half a warp per (token, head, q|k); thread j holds dims 8j..8j+7.
 
 namespace qkrope {
@@ -1256,7 +1334,7 @@ __global__ void bwd_kernel(const Params p) {
 // table: positions x 32 (cos, sin) pairs
 inline cudaError_t rope_table(const qkrope::Freqs& freq, int positions, __nv_bfloat162* table, cudaStream_t stream) {
     const int64_t n = (int64_t)positions * 32;
-    qkrope::table_kernel<<<(unsigned)std::min<int64_t>((n + 255) / 256, 132 * 16), 256, 0, stream>>>(freq, n, table);
+    qkrope::table_kernel<<<tk::grid_stride_blocks(n, 16), 256, 0, stream>>>(freq, n, table);
     return cudaGetLastError();
 }
 inline cudaError_t qk_norm_rope_forward(const qkrope::Params& p, cudaStream_t stream) {
@@ -1276,6 +1354,8 @@ inline cudaError_t qk_norm_rope_backward(const qkrope::Params& p, cudaStream_t s
 // XXT is (c, b) = (1, 0); b*A + c*A@A is X = A (A A = A A^T as A is symmetric). Only the tiles
 // on and above the diagonal are computed; each is stored twice, mirrored. On the attention's
 // 64 x 128 wgmma tiles: one CTA per 64 x 64 output tile, K in steps of 128, double-buffered.
+// The record's Triton kernels for these: @byronxu99. Polar Express: Noah Amsel, David Persson,
+// Christopher Musco, Robert M. Gower, arXiv 2505.16932.
 
 namespace sym {
 
@@ -1356,12 +1436,19 @@ inline cudaError_t symmetric_product(const sym::Params& p, int batch, cudaStream
 }
 
 // -----------------------------------------------------------------------------
-// Optimizer kernels (record 61's NorMuonAndAdam, compiled there by torch.compile).
+// Optimizer kernels (record 61's NorMuonAndAdam, compiled there by torch.compile): Polar Express's
+// input normalisation (its iterations are sym above and cuBLASLt), NorMuon's momentum, variance
+// reduction (arXiv 2510.05491) and cautious weight decay with mantissa tracking, Adam, and the tied
+// embedding's transposes. The record's optimizer contributors include @YouJiacheng,
+// @KonstantinWilleke, @alexrgilbert, @adricarda, @tuttyfrutyee, @vdlad, @ryanyang0, @vagrawal,
+// @varunneal, @chrisjmccormick.
 
 namespace opt {
 
 // Batched transpose: dst[b][c][r] = src[b][r][c] (or += with ACCUMULATE: the tied embedding's
 // gradient added into lm_head's), 64 x 64 tiles through shared memory so reads and writes coalesce.
+// (embed is tied to lm_head until 2/3 of training, then untied: @classiclarryd; the two are each
+// other's transpose as lm_head is stored (in, out).)
 template <typename T, bool ACCUMULATE>
 __global__ void transpose_kernel(const T* src, int64_t src_stride, T* dst, int64_t dst_stride, int rows, int cols) {
     __shared__ T tile[64][64 + 2];
@@ -1509,7 +1596,7 @@ __global__ void adam_kernel(T* p, const G* grad, float* exp_avg, float* exp_avg_
     }
 }
 
-inline unsigned grid_for(int64_t n) { return (unsigned)std::min<int64_t>((n + 255) / 256, 132 * 8); }
+inline unsigned grid_for(int64_t n) { return tk::grid_stride_blocks(n, 8); }
 
 }  // namespace opt
 
@@ -1572,7 +1659,8 @@ inline cudaError_t adam_update(T* p, const G* grad, float* exp_avg, float* exp_a
 // Embedding lookups (embed and the value embeddings ve0..ve2) and their deterministic backward:
 // the positions are sorted by token id once per batch (a stable radix sort), then one warp per
 // distinct id sums that id's gradient rows in position order (fp32) and adds them to the table's
-// gradient row: no atomics, the same bits every run. Rows of 768 bf16.
+// gradient row: no atomics, the same bits every run. Rows of 768 bf16. (Value embeddings:
+// @KoszarskyB, inspired by @Grad62304977's value residual, arXiv 2410.17897.)
 
 namespace embed {
 
@@ -2015,8 +2103,9 @@ inline cudaError_t gate_backward(GateKind kind, const gate::Params& p, __nv_bflo
 // Scalar-weighted sums of the residual stream and their gradients: out = ca x + cb y with each
 // coefficient c = (*ptr) * scale + constant read from device memory (the scalars parameter):
 //   residual mixing  x = resid_lambda[i] x + x0_lambda[i] x0   (layer 0 too: there x is x0)
-//   backout (@classiclarryd)   x = x - backout_lambda x_7
-// and the attention weights scaled by their sa lambdas (@shenberg): W' = bf16(lambda W).
+//   backout          x = x - backout_lambda x_7
+// and the attention weights scaled by their sa lambdas: W' = bf16(lambda W) (sa_lambdas[1]
+// pre-multiplied to O: @shenberg).
 // Every scalar gradient is a dot product over many values, reduced in a fixed order: each of
 // DOT_BLOCKS blocks sums a fixed slice, then one block adds the partials in order.
 
@@ -2199,8 +2288,15 @@ inline cudaError_t scale_weight_backward(const float* dwp, const __nv_bfloat16* 
     return cudaGetLastError();
 }
 
-// out = scale * sum(x[0, n)), one block, a fixed order (deterministic)
+// -----------------------------------------------------------------------------
+// Reductions and checks around the loss: the loss (record 61's losses.sum() in training, the mean
+// cross-entropy in evaluation), lm_head's fp32 gradient from the fp8 GEMM added into its bf16
+// gradient (the record's mm_t_backward_op returns grad_w in fp32), and the trainer's own NaN/inf
+// check of the layers' outputs (the record has none).
+
 namespace red {
+
+// out = scale * sum(x[0, n)), one block, a fixed order (deterministic)
 __global__ void sum_kernel(const float* x, int n, float* out, float scale) {
     __shared__ float s[1024];
     float v = 0.f;
@@ -2213,27 +2309,15 @@ __global__ void sum_kernel(const float* x, int n, float* out, float scale) {
     }
     if (threadIdx.x == 0) *out = s[0] * scale;
 }
-}  // namespace red
-inline cudaError_t sum_floats(const float* x, int n, float* out, float scale, cudaStream_t stream) {
-    red::sum_kernel<<<1, 1024, 0, stream>>>(x, n, out, scale);
-    return cudaGetLastError();
-}
 
 // g (bf16) += a (fp32), n values
-namespace red {
 __global__ void add_kernel(__nv_bfloat16* g, const float* a, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         g[i] = __float2bfloat16(__bfloat162float(g[i]) + a[i]);
 }
-}  // namespace red
-inline cudaError_t add_to_bf16(__nv_bfloat16* g, const float* a, int64_t n, cudaStream_t stream) {
-    red::add_kernel<<<(unsigned)std::min<int64_t>((n + 255) / 256, 132 * 8), 256, 0, stream>>>(g, a, n);
-    return cudaGetLastError();
-}
 
 // Sets *flag to `tag` (the first time only) when x holds a NaN or an infinity: the model's forward
 // checks every layer's output this way and names the first bad layer once it syncs for the loss.
-namespace red {
 __global__ void finite_kernel(const __nv_bfloat16* x, int64_t n8, int* flag, int tag) {
     bool bad = false;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8; i += (int64_t)gridDim.x * blockDim.x) {
@@ -2244,8 +2328,20 @@ __global__ void finite_kernel(const __nv_bfloat16* x, int64_t n8, int* flag, int
     }
     if (__syncthreads_or(bad) && threadIdx.x == 0) atomicCAS(flag, -1, tag);
 }
+
 }  // namespace red
+
+inline cudaError_t sum_floats(const float* x, int n, float* out, float scale, cudaStream_t stream) {
+    red::sum_kernel<<<1, 1024, 0, stream>>>(x, n, out, scale);
+    return cudaGetLastError();
+}
+inline cudaError_t add_to_bf16(__nv_bfloat16* g, const float* a, int64_t n, cudaStream_t stream) {
+    red::add_kernel<<<tk::grid_stride_blocks(n, 8), 256, 0, stream>>>(g, a, n);
+    return cudaGetLastError();
+}
+// n: a multiple of 8 (a tail would go unchecked). Any grid sets the same flag (every CTA writes only
+// `tag`, and only over -1): two CTAs an SM.
 inline cudaError_t check_finite(const __nv_bfloat16* x, int64_t n, int* flag, int tag, cudaStream_t stream) {
-    red::finite_kernel<<<264, 256, 0, stream>>>(x, n / 8, flag, tag);
+    red::finite_kernel<<<2 * tk::num_sms(), 256, 0, stream>>>(x, n / 8, flag, tag);
     return cudaGetLastError();
 }
