@@ -25,7 +25,7 @@ LDLIBS     = -L$(CUDA_HOME)/lib64 -lcublasLt -lnccl $(call nvcc_flags,$(MPI_LIBS
 
 SOURCES = train_gpt.cu triton_kernels.cu
 
-.PHONY: all test test-gpu bench clean
+.PHONY: all test test-gpu bench bench-loop clean
 all: train_gpt
 
 train_gpt: $(SOURCES)
@@ -56,11 +56,21 @@ tests/libattention.so: tests/attention_lib.cu triton_kernels.cu
 	$(NVCC) -O3 -std=c++17 $(ARCH) -Xcompiler -fPIC -shared -o $@ tests/attention_lib.cu
 
 BENCH_DATA ?= data/textmix/textmix_train_*.bin
-bench: tests/test_host tests/libattention.so tests/bench_gpu
+BENCH_VAL ?= data/textmix/textmix_val_*.bin
+bench: tests/test_host tests/libattention.so tests/bench_gpu bench-loop
 	./tests/test_host --bench-data '$(BENCH_DATA)'
 	./tests/bench_gpu
 	if [ "$$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then mpirun -np 2 --bind-to none ./tests/bench_gpu; fi
 	$(PYTHON) tests/bench_attention.py
+
+# The real training loop on real data (the shortened schedule of record 61: 150 + 10 steps, all
+# three phases and the extension), every other step timed by parts: ms per step and where it goes.
+bench-loop: train_gpt
+	@if ls $(BENCH_DATA) >/dev/null 2>&1 && ls $(BENCH_VAL) >/dev/null 2>&1; then \
+	  ./train_gpt --train_files '$(BENCH_DATA)' --val_files '$(BENCH_VAL)' --num_scheduled_iterations 150 \
+	    --num_extension_iterations 10 --val_loss_every 0 --val_tokens 2097152 --cycle_data --profile_steps 2 \
+	    --run_id bench_loop | grep -v '^step:'; \
+	else echo "bench-loop: no data at $(BENCH_DATA) / $(BENCH_VAL): skipped"; fi
 
 clean:
 	rm -f train_gpt tests/test_host tests/test_gpu tests/test_distributed tests/bench_gpu tests/libattention.so

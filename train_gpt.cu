@@ -15,8 +15,10 @@
 #include <cublasLt.h>
 #include <nccl.h>
 #include <mpi.h>
+#include <nvtx3/nvToolsExt.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -95,6 +97,7 @@ extern char** environ;
     X(STR, run_id, "", "log name logs/<run_id>.txt (default: a fresh uuid4)")                                       \
     X(I64, val_loss_every, 250, "validate every N steps (0: only at the end)")                                      \
     X(BOOL, save_checkpoint, false, "save the weights to logs/<run_id>/ at the end")                                \
+    X(I64, profile_steps, 0, "time the parts of every Nth training step, by phase; a table at the end (0: off)")   \
     X(BOOL, gemm_autotune, true,                                                                                    \
       "time each GEMM shape's cuBLASLt candidates on its first call (false: the heuristic's first choice)")         \
     /* attention masking (windows in blocks of block_size tokens) */                                                \
@@ -571,6 +574,132 @@ class StreamTimer {
     size_t used_ = 0;
 };
 
+// Where a training step's time goes, measured in the real loop (--profile_steps N; `make bench`
+// uses it on real data): the compute stream's timeline is cut by marks, each saying "from here on
+// the GPU works on part p", and every stretch between two marks is added to its part. Stretches
+// where the GPU waits for the host (data, launches, the loss's readback) count as the part whose
+// mark opened them: marks at the host's waits put those under `host`. Each mark also opens an NVTX
+// range of the part's name, so Nsight Systems shows the same parts on the host's timeline.
+enum class Part { Host, Gemm, Head, Loss, Attention, Elementwise, EmbedBwd, Optimizer, COUNT };
+static const char* const part_names[] = {"host, data and uploads", "bf16 GEMMs (model)", "fp8 lm_head (casts, GEMMs)",
+                                         "cross-entropy (loss, grad)", "attention (fwd, bwd)",
+                                         "norms, gates, rope, elementwise", "embedding backward",
+                                         "optimizer (and NCCL waits)"};
+static const char* const part_short[] = {"host", "gemm", "head", "loss", "attention", "elementwise", "embed_bwd",
+                                         "optimizer"};
+
+class LoopProfiler {
+   public:
+    ~LoopProfiler() {
+        if (open_) nvtxRangePop();
+        for (cudaEvent_t e : pool_) CUDA_CHECK(cudaEventDestroy(e));
+    }
+    Part current() const { return current_; }
+    // from here on, the work queued on s counts as part p
+    void mark(Part p, cudaStream_t s) {
+        if (used_ == pool_.size()) {
+            cudaEvent_t e;
+            CUDA_CHECK(cudaEventCreate(&e));
+            pool_.push_back(e);
+        }
+        CUDA_CHECK(cudaEventRecord(pool_[used_], s));
+        parts_.push_back(p);
+        ++used_;
+        current_ = p;
+        if (open_) nvtxRangePop();
+        nvtxRangePushA(part_short[(int)p]);
+        open_ = true;
+    }
+    // floating-point work of the GEMMs queued since the step began (their floor)
+    void add_flops(Part p, double flops, bool fp8) { (fp8 ? fp8_flops_ : bf16_flops_)[(int)p] += flops; }
+    void begin_step(cudaStream_t s) {
+        used_ = 0;
+        parts_.clear();
+        wall0_ = std::chrono::steady_clock::now();
+        mark(Part::Host, s);
+    }
+    // ends the step that began last: waits for it and adds its parts to the phase's totals
+    void end_step(cudaStream_t s, const std::string& phase) {
+        mark(Part::Host, s);
+        CUDA_CHECK(cudaEventSynchronize(pool_[used_ - 1]));
+        const double wall = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall0_).count();
+        Totals& t = phases_[phase];
+        if (t.steps == 0) order_.push_back(phase);
+        for (size_t i = 0; i + 1 < used_; ++i) {
+            float ms;
+            CUDA_CHECK(cudaEventElapsedTime(&ms, pool_[i], pool_[i + 1]));
+            t.ms[(int)parts_[i]] += ms;
+        }
+        for (int p = 0; p < (int)Part::COUNT; ++p) t.bf16_flops[p] += bf16_flops_[p], t.fp8_flops[p] += fp8_flops_[p];
+        bf16_flops_.fill(0), fp8_flops_.fill(0);
+        t.wall_ms += wall;
+        t.steps += 1;
+        if (open_) nvtxRangePop();
+        open_ = false;
+    }
+    // the host clock of a step that was not profiled (the profiled ones should take as long)
+    void add_unprofiled(const std::string& phase, double ms) {
+        Unprofiled& u = unprofiled_[phase];
+        u.ms += ms, u.steps += 1;
+    }
+    // ms per step of a part over the phase's steps
+    double part_ms(const std::string& phase, Part p) const {
+        auto it = phases_.find(phase);
+        return it == phases_.end() || it->second.steps == 0 ? 0 : it->second.ms[(int)p] / it->second.steps;
+    }
+    // One table per phase: each part's ms per step and share, the GEMM parts beside their floor at
+    // the measured H200 ceilings (bf16 790 TFLOP/s; fp8 taken as twice that).
+    std::string table() const {
+        std::string s;
+        for (const std::string& phase : order_) {
+            const Totals& t = phases_.at(phase);
+            double total = 0;
+            for (double ms : t.ms) total += ms;
+            s += strprintf("profile %s: %lld steps, %.2f ms per step (host clock %.2f", phase.c_str(),
+                           (long long)t.steps, total / t.steps, t.wall_ms / t.steps);
+            auto u = unprofiled_.find(phase);
+            if (u != unprofiled_.end() && u->second.steps > 0)
+                s += strprintf("; %lld steps not profiled: %.2f", (long long)u->second.steps, u->second.ms / u->second.steps);
+            s += ")\n";
+            s += strprintf("  %-34s %9s %6s %10s\n", "part", "ms/step", "share", "floor ms");
+            for (int p = 0; p < (int)Part::COUNT; ++p) {
+                const double ms = t.ms[p] / t.steps;
+                const double floor_ms = (t.bf16_flops[p] / 790e12 + t.fp8_flops[p] / 1580e12) * 1e3 / t.steps;
+                s += strprintf("  %-34s %9.2f %5.1f%% %10s\n", part_names[p], ms, 100 * ms / (total / t.steps),
+                               floor_ms > 0 ? strprintf("%.2f", floor_ms).c_str() : "-");
+            }
+        }
+        return s;
+    }
+
+   private:
+    struct Totals {
+        std::array<double, (size_t)Part::COUNT> ms{}, bf16_flops{}, fp8_flops{};
+        double wall_ms = 0;
+        int64_t steps = 0;
+    };
+    std::vector<cudaEvent_t> pool_;
+    std::vector<Part> parts_;
+    size_t used_ = 0;
+    Part current_ = Part::Host;
+    bool open_ = false;
+    std::array<double, (size_t)Part::COUNT> bf16_flops_{}, fp8_flops_{};
+    std::chrono::steady_clock::time_point wall0_;
+    struct Unprofiled {
+        double ms = 0;
+        int64_t steps = 0;
+    };
+    std::map<std::string, Totals> phases_;
+    std::map<std::string, Unprofiled> unprofiled_;
+    std::vector<std::string> order_;
+};
+
+// the profiler of this process while one runs (else null: the marks cost nothing)
+static LoopProfiler* g_profiler = nullptr;
+static void profile_mark(Part p, cudaStream_t s) {
+    if (g_profiler) g_profiler->mark(p, s);
+}
+
 enum class Op { N, T };  // op(X) = X or X^T
 
 class Gemms {
@@ -636,8 +765,6 @@ class Gemms {
         return strprintf("%d GEMM shapes tuned, %d faster than cuBLASLt's first choice (%.3f ms per call of each, summed)",
                          tuned, changed, saved);
     }
-    // time every GEMM into timer (null: stop timing)
-    void set_timer(StreamTimer* timer) { timer_ = timer; }
 
    private:
     struct Key {
@@ -801,12 +928,18 @@ class Gemms {
             CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_a, sizeof scale_a));
         }
         if (!p.tuned) tune(stream, key, p, A, B, C, D, alpha, beta);
-        if (timer_) timer_->begin(stream);
+        // profiled: the model's GEMMs are a part of their own; the head's and the optimizer's count
+        // as those parts
+        const Part outer = g_profiler ? g_profiler->current() : Part::Host;
+        const bool own_part = g_profiler && outer != Part::Head && outer != Part::Optimizer;
+        if (g_profiler)
+            g_profiler->add_flops(own_part ? Part::Gemm : outer, 2.0 * key.m * key.n * key.k * key.batch, key.ta != CUDA_R_16BF);
+        if (own_part) g_profiler->mark(Part::Gemm, stream);
         while (true) {
             cublasStatus_t st = cublasLtMatmul(lt_, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, D, p.c,
                                                &p.candidates.front(), workspace_, workspace_bytes_, stream);
             if (st == CUBLAS_STATUS_SUCCESS) {
-                if (timer_) timer_->end(stream);
+                if (own_part) g_profiler->mark(outer, stream);
                 return;
             }
             if (st != CUBLAS_STATUS_NOT_SUPPORTED || p.candidates.size() == 1)
@@ -817,7 +950,6 @@ class Gemms {
 
     const bool autotune_;
     cublasLtHandle_t lt_ = nullptr;
-    StreamTimer* timer_ = nullptr;
     void* workspace_ = nullptr;
     size_t workspace_bytes_;
     std::map<Key, Plan> plans_;
@@ -1693,6 +1825,7 @@ class Model {
         if (T % 16) fail(strprintf("forward: %d tokens is not a multiple of 16 (fp8 GEMMs)", T));
         T_ = T, tokens_ = tokens, cu_ = cu, cu_len_ = cu_len, fa_ = fa;
         const int64_t D = MODEL_DIM, TD = (int64_t)T * D;
+        profile_mark(Part::Elementwise, s);
         if (fa.yarn.angular_freq != rope_freq_) {  // a new YaRN state: the rotary table again
             qkrope::Freqs fr;
             for (int f = 0; f < 32; ++f) fr.f[f] = fa.yarn.angular_freq[2 * f];
@@ -1744,13 +1877,7 @@ class Model {
         CUDA_CHECK(combine(x_back_, x_last_, backout_source(), TD, {nullptr, 0.f, 1.f}, {scalars + SCALAR_BACKOUT, -1.f, 0.f}, s,
                            bad_, NUM_LAYERS - 1));
         CUDA_CHECK(rms_norm_forward(x_back_, D, xn_, D, rstd_f_, T, D, RMS_NORM_EPS, s));
-        if (!profiling_) return head_and_loss(s);
-        gemms_.set_timer(nullptr);  // the head's GEMMs count as the head's
-        head_timer_.begin(s);
-        const float loss = head_and_loss(s);
-        head_timer_.end(s);
-        gemms_.set_timer(&gemm_timer_);
-        return loss;
+        return head_and_loss(s);
     }
 
     // The backward of the last training forward: adds every parameter's gradient into its buffer.
@@ -1762,6 +1889,7 @@ class Model {
         float* gscalars = (float*)p_["scalars"].grad;
         float* gx0l = (float*)p_["x0_lambdas"].grad;
         float* x0_lambdas = (float*)p_["x0_lambdas"].data;
+        profile_mark(Part::Elementwise, s);
         for (__nv_bfloat16* b : {dx0_, dskip_}) CUDA_CHECK(cudaMemsetAsync(b, 0, TD * 2, s));
         for (__nv_bfloat16* b : dve_) CUDA_CHECK(cudaMemsetAsync(b, 0, TD * 2, s));
         // final norm, then the backout: x_back = x_last - lambda x_8in
@@ -1805,29 +1933,17 @@ class Model {
         sm.a = emb_, sm.dout = dx_, sm.ld_dout = D, sm.da = demb_, sm.ld_da = D, sm.dz = dz_, sm.dlam_rows = dlam_rows_;
         CUDA_CHECK(gate_backward(GateKind::Smear, sm, demb_, D, bf(p_["smear_gate"].grad), gscalars + SCALAR_SMEAR, s));
         // embeddings: one sort of the token ids serves the four tables
+        profile_mark(Part::EmbedBwd, s);
         CUDA_CHECK(embed_bwd_->sort(tokens_, T, s));
-        CUDA_CHECK(embed_bwd_->accumulate(demb_, D, bf(p_["embed"].grad), s));
+        const __nv_bfloat16* grads[1 + NUM_VALUE_EMBEDS] = {demb_};
+        __nv_bfloat16* table_grads[1 + NUM_VALUE_EMBEDS] = {bf(p_["embed"].grad)};
         for (int k = 0; k < NUM_VALUE_EMBEDS; ++k)
-            CUDA_CHECK(embed_bwd_->accumulate(dve_[k], D, bf(p_["ve" + std::to_string(k)].grad), s));
+            grads[1 + k] = dve_[k], table_grads[1 + k] = bf(p_["ve" + std::to_string(k)].grad);
+        CUDA_CHECK(embed_bwd_->accumulate(1 + NUM_VALUE_EMBEDS, grads, D, table_grads, s));
     }
 
     // norm(x) before the lm_head, from the last forward (T x 768)
     const __nv_bfloat16* final_hidden() const { return xn_; }
-
-    // Where the time goes (for `make bench`): GEMMs outside the head, attention, the lm_head with
-    // the loss, the rest. profile(true) starts timing, profile_ms() reads and clears the totals.
-    struct Profile {
-        float gemm_ms, attention_ms, head_ms;
-    };
-    void profile(bool on) {
-        profiling_ = on;
-        gemms_.set_timer(on ? &gemm_timer_ : nullptr);
-    }
-    Profile profile_ms() {
-        Profile p{gemm_timer_.total_ms(), attn_timer_.total_ms(), head_timer_.total_ms()};
-        gemm_timer_.clear(), attn_timer_.clear(), head_timer_.clear();
-        return p;
-    }
 
    private:
     static constexpr int LOGIT_ROWS = 8192;  // the logits are made and consumed in chunks of rows
@@ -1923,9 +2039,9 @@ class Model {
             vg.a = v, vg.ld_a = value_ld(i), vg.b = ve_[LAYERS[i].ve];
             CUDA_CHECK(gate_forward(GateKind::ValueEmbedding, vg, s));
         }
-        if (profiling_) attn_timer_.begin(s);
+        profile_mark(Part::Attention, s);
         CUDA_CHECK(attention_forward(attn_params(i), s));
-        if (profiling_) attn_timer_.end(s);
+        profile_mark(Part::Elementwise, s);
         gate::Params og = head_gate(i, attn_gate_w(i));
         og.a = l.y, og.out = l.yg;
         CUDA_CHECK(gate_forward(GateKind::Output, og, s));
@@ -1955,10 +2071,10 @@ class Model {
         CUDA_CHECK(gate_backward(GateKind::Output, og, dxn_, D, attn_gate_grad(i), nullptr, s));
         // attention (its tile schedule was overwritten by later layers: remake it)
         attn::Params ap = attn_params(i);
-        if (profiling_) attn_timer_.begin(s);
+        profile_mark(Part::Attention, s);
         CUDA_CHECK(attention_schedule(ap, s));
         CUDA_CHECK(attention_backward(ap, s, true));
-        if (profiling_) attn_timer_.end(s);
+        profile_mark(Part::Elementwise, s);
         // value-embedding gate: v passes through; dve and the gate's input gradient
         const __nv_bfloat16* dv = value_grad(i);
         if (has_value_embed(i)) {
@@ -1989,6 +2105,7 @@ class Model {
         const int64_t D = MODEL_DIM, V = PADDED_VOCAB_SIZE;
         const __nv_bfloat16* lm_head = bf(p_["lm_head"].data);
         const bool training = fa_.training;
+        profile_mark(Part::Head, s);
         if (training) {
             CUDA_CHECK(cast_to_fp8(xn_, D, xf8_, D, T, D, (float)args_.lm_head_x_s, false, false, s));
             CUDA_CHECK(cast_to_fp8(xn_, D, xf8t_, T, T, D, (float)args_.lm_head_x_s, false, true, s));
@@ -2012,10 +2129,12 @@ class Model {
             cp.a = (float)args_.softcap_a, cp.b = (float)args_.softcap_b, cp.c = (float)args_.softcap_c;
             cp.losses = losses_ + r0;
             cp.lse = training ? lse_ : nullptr, cp.grad_scale = fa_.loss_scale;
+            profile_mark(Part::Loss, s);
             CUDA_CHECK(softcapped_cross_entropy(cp, s));
+            if (training)  // the gradient of the logits, e5m2, in the two layouts of the GEMMs below
+                CUDA_CHECK(softcapped_ce_grad_fp8(cp, gf8_, V, gf8t_, rows, (float)args_.lm_head_grad_s, s));
+            profile_mark(Part::Head, s);
             if (!training) continue;
-            // the gradient of the logits, e5m2, in the two layouts of the GEMMs below
-            CUDA_CHECK(softcapped_ce_grad_fp8(cp, gf8_, V, gf8t_, rows, (float)args_.lm_head_grad_s, s));
             // d norm(x) = g w^T; d lm_head += x^T g (fp32, as the record's grad_w)
             gemms_.fp8(s, rows, D, V, gf8_, CUDA_R_8F_E5M2, V, wf8_, CUDA_R_8F_E4M3, V, dxn_head_ + (int64_t)r0 * D, D,
                        false, scales_[2], scales_[1], false);
@@ -2023,11 +2142,13 @@ class Model {
                        scales_[0], scales_[2], false, 1.f);
         }
         if (training) CUDA_CHECK(add_to_bf16(bf(p_["lm_head"].grad), lm_grad_, V * D, s));
+        profile_mark(Part::Loss, s);
         CUDA_CHECK(sum_floats(losses_, T, loss_, training ? fa_.loss_scale : 1.f / T, s));
         float loss;
         int bad;
         CUDA_CHECK(cudaMemcpyAsync(&loss, loss_, 4, cudaMemcpyDeviceToHost, s));
         CUDA_CHECK(cudaMemcpyAsync(&bad, bad_, 4, cudaMemcpyDeviceToHost, s));
+        profile_mark(Part::Host, s);  // the GPU idles from the readback until the host queues more
         CUDA_CHECK(cudaStreamSynchronize(s));
         if (bad >= 0) fail(strprintf("the forward pass produced a NaN or infinity in layer %d's output", bad));
         if (!std::isfinite(loss)) fail("the forward pass produced a non-finite loss (the lm_head or the loss)");
@@ -2057,8 +2178,6 @@ class Model {
         *dxn_head_, *demb_, *dve_[NUM_VALUE_EMBEDS];
     float *dw_, *delta_, *dz_, *dlam_rows_, *partial_, *gate_partial_;
     std::unique_ptr<EmbeddingBackward> embed_bwd_;
-    bool profiling_ = false;
-    StreamTimer gemm_timer_, attn_timer_, head_timer_;
 };
 
 // -----------------------------------------------------------------------------
@@ -2590,9 +2709,16 @@ class TrainingManager {
     // the final validation's longer window, without a YaRN update
     void apply_final_ws_ext() { fa_.ws_long = args_.ws_validate_post_yarn_ext; }
 
+    // the current phase of the schedule, as the profile's tables name it
+    std::string phase() const {
+        return strprintf("%lld tokens/step, windows %lld/%lld", (long long)batch_size_, (long long)fa_.ws_short,
+                         (long long)fa_.ws_long);
+    }
+
     // The next batch of a loader through the model: training (fp8 head, MTP loss, the backward's
     // state kept) or evaluation. Returns the loss. The first batch of each kind goes to the log.
     float forward_batch(DistributedDataGenerator& loader, bool training) {
+        profile_mark(Part::Host, stream_);
         HostBatch& b = loader.next();
         loader.upload(b, d_tokens_, d_cu_, stream_);
         if (!shown_[training]) {
@@ -2618,6 +2744,7 @@ class TrainingManager {
     }
 
     void step_optimizers(int64_t step) {
+        profile_mark(Part::Optimizer, stream_);
         optimizer_.step(get_lr(args_, step), get_muon_momentum(args_, step), is_adam_step(step), stream_);
         if (step == split_step) optimizer_.copy_lm_state_to_embed(stream_);
     }
@@ -2985,6 +3112,16 @@ static void open_log(Hyperparameters& args, const Distributed& d, const std::str
     print0(LOG_RULE);
 }
 
+// The device memory in use (total - free, so the CUDA context and NCCL's buffers count too), at
+// its highest so far: every buffer is allocated up front, so a few samples see the peak.
+static double peak_mib() {
+    static double peak = 0;
+    size_t free_b = 0, total_b = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    peak = std::max(peak, (total_b - free_b) / 1048576.0);
+    return peak;
+}
+
 static int trainer_main(int argc, char** argv) {
     std::vector<std::string> cli(argv + 1, argv + argc);
     if (!cli.empty() && (cli[0] == "--help" || cli[0] == "-h")) {
@@ -3025,6 +3162,7 @@ static int trainer_main(int argc, char** argv) {
     cudaStream_t stream;
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     TrainingManager training_manager(args, model, optimizer, grad_accum_steps, max_local, max_cu, stream);
+    peak_mib();
     LoaderOptions train_opt, val_opt;
     train_opt.cycle = args.cycle_data, train_opt.capacity_tokens = capacity;
     val_opt.align_to_bos = false, val_opt.capacity_tokens = eval_local;
@@ -3053,12 +3191,14 @@ static int trainer_main(int argc, char** argv) {
         }
     }
     print0(gemms.tuning_report(), true);
+    peak_mib();
     print0("resetting the model", true);
     params.load_initial_state(stream);
     training_manager.reset();
     CUDA_CHECK(cudaStreamSynchronize(stream));
 
     // Training and validation (the record's loop; the clock stops for validation)
+    LoopProfiler profiler;
     auto loader = train_loader();
     const int64_t train_steps = args.num_iterations();
     double training_time_ms = 0;
@@ -3082,6 +3222,7 @@ static int trainer_main(int argc, char** argv) {
             print0(strprintf("step:%lld/%lld val_loss:%.4f train_time:%.0fms step_avg:%.2fms", (long long)step,
                              (long long)train_steps, val_loss, training_time_ms,
                              training_time_ms / std::max<int64_t>(step, 1)), true);
+            peak_mib();
             CUDA_CHECK(cudaDeviceSynchronize());  // start the clock again
             t0 = std::chrono::steady_clock::now();
         }
@@ -3089,15 +3230,19 @@ static int trainer_main(int argc, char** argv) {
             if (dist.rank == 0 && args.save_checkpoint) save_checkpoint(params, args.run_id, step);
             break;  // the last step only validates
         }
+        const bool profiled = args.profile_steps > 0 && step % args.profile_steps == 0;
+        const double step_start = elapsed_ms();
+        if (profiled) g_profiler = &profiler, profiler.begin_step(stream);
         training_manager.train_step(step, *loader);
+        if (profiled) profiler.end_step(stream, training_manager.phase()), g_profiler = nullptr;
+        else if (args.profile_steps > 0) profiler.add_unprofiled(training_manager.phase(), elapsed_ms() - step_start);
         const double approx = training_time_ms + elapsed_ms();
         print0(strprintf("step:%lld/%lld train_time:%.0fms step_avg:%.2fms", (long long)step + 1, (long long)train_steps,
                          approx, approx / (step + 1)), true);
     }
-    size_t free_b = 0, total_b = 0;
-    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    const double used_mib = (total_b - free_b) / 1048576.0;
-    print0(strprintf("peak memory allocated: %.0f MiB reserved: %.0f MiB", used_mib, used_mib), true);
+    if (args.profile_steps > 0) print0(profiler.table(), true);
+    print0(strprintf("peak memory in use: %.0f MiB (device total - free at its highest: CUDA context, NCCL and every "
+                     "buffer; sampled after set-up, warmup, each validation and the end)", peak_mib()), true);
 
     CUDA_CHECK(cudaStreamDestroy(stream));
     if (g_logfile) fclose(g_logfile);

@@ -1657,9 +1657,9 @@ inline cudaError_t adam_update(T* p, const G* grad, float* exp_avg, float* exp_a
 
 // -----------------------------------------------------------------------------
 // Embedding lookups (embed and the value embeddings ve0..ve2) and their deterministic backward:
-// the positions are sorted by token id once per batch (a stable radix sort), then one warp per
-// distinct id sums that id's gradient rows in position order (fp32) and adds them to the table's
-// gradient row: no atomics, the same bits every run. Rows of 768 bf16. (Value embeddings:
+// the positions are sorted by token id once per batch (a stable radix sort), then for every
+// distinct id its gradient rows are summed in position order (fp32), all tables in one pass, and
+// added to the tables' gradient rows: no atomics, the same bits every run. Rows of 768 bf16. (Value embeddings:
 // @KoszarskyB, inspired by @Grad62304977's value residual, arXiv 2410.17897.)
 
 namespace embed {
@@ -1680,31 +1680,70 @@ __global__ void positions_kernel(int* pos, int tokens) {
     if (i < tokens) pos[i] = i;
 }
 
-// one warp per run of equal ids in sorted order (only the warp at a run's first index works)
-__global__ void scatter_add_kernel(const int* sorted_ids, const int* sorted_pos, int tokens, const __nv_bfloat16* grad,
-                                   int64_t ld_grad, __nv_bfloat16* table_grad) {
-    const int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+// Up to MAX_TABLES tables looked up with the same ids, backward in one pass (the embedding and the
+// three value embeddings share the sort).
+constexpr int MAX_TABLES = 4;
+struct Tables {
+    const __nv_bfloat16* grad[MAX_TABLES];  // tokens x DIM, row stride ld
+    __nv_bfloat16* table_grad[MAX_TABLES];  // vocab x DIM
+    int count;
+    int64_t ld;
+};
+
+// One warp per (run of equal ids in sorted order, 128-column slice): only the warp at a run's first
+// index works. Each lane sums 4 columns of every table over the run in position order, in fp32,
+// then adds the sums to the tables' gradient rows. Long runs (a comma is ~5% of English text) are
+// bound by memory latency, not bandwidth: ROWS rows of every table are loaded before any is added,
+// so ROWS x NT independent loads are in flight; the additions keep the run's order, so the bits do
+// not depend on ROWS, NT or the slicing (the same sums as one table at a time, row after row).
+constexpr int SLICE = 128, SLICES = DIM / SLICE;
+template <int NT>
+__global__ void __launch_bounds__(256) scatter_add_kernel(const int* sorted_ids, const int* sorted_pos, int tokens,
+                                                          Tables t) {
+    constexpr int ROWS = 64 / NT;
+    const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int i = warp / SLICES, col = (warp % SLICES) * SLICE + lane * 4;
     if (i >= tokens || (i > 0 && sorted_ids[i - 1] == sorted_ids[i])) return;
     const int id = sorted_ids[i];
-    float acc[DIM / 256][8] = {};
-    for (int j = i; j < tokens && sorted_ids[j] == id; ++j) {
-        const __nv_bfloat16* row = grad + sorted_pos[j] * ld_grad;
-#pragma unroll
-        for (int v = 0; v < DIM / 256; ++v) {
-            float f[8];
-            tk::load8(row + (v * 32 + lane) * 8, f);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[v][e] += f[e];
+    int end = tokens;  // the run is [i, end): 32 ids compared at a time
+    for (int e = i + 1; e < tokens; e += 32) {
+        const int j = e + lane;
+        const unsigned other = __ballot_sync(0xffffffffu, j < tokens && sorted_ids[j] != id);
+        if (other) {
+            end = e + __ffs(other) - 1;
+            break;
         }
     }
-    __nv_bfloat16* dst = table_grad + (int64_t)id * DIM;
+    float acc[NT][4] = {};
+    for (int j0 = i; j0 < end; j0 += ROWS) {
+        uint2 v[ROWS][NT];
 #pragma unroll
-    for (int v = 0; v < DIM / 256; ++v) {
-        float f[8];
-        tk::load8(dst + (v * 32 + lane) * 8, f);
+        for (int r = 0; r < ROWS; ++r)
+            if (j0 + r < end) {
+                const int64_t off = (int64_t)sorted_pos[j0 + r] * t.ld + col;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) f[e] += acc[v][e];
-        tk::store8(dst + (v * 32 + lane) * 8, f);
+                for (int k = 0; k < NT; ++k) v[r][k] = *reinterpret_cast<const uint2*>(t.grad[k] + off);
+            }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+            if (j0 + r < end) {
+#pragma unroll
+                for (int k = 0; k < NT; ++k) {
+                    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[r][k]);
+                    const float2 lo = __bfloat1622float2(h[0]), hi = __bfloat1622float2(h[1]);
+                    acc[k][0] += lo.x, acc[k][1] += lo.y, acc[k][2] += hi.x, acc[k][3] += hi.y;
+                }
+            }
+    }
+#pragma unroll
+    for (int k = 0; k < NT; ++k) {
+        uint2* dst = reinterpret_cast<uint2*>(t.table_grad[k] + (int64_t)id * DIM + col);
+        uint2 u = *dst;
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+        const float2 lo = __bfloat1622float2(h[0]), hi = __bfloat1622float2(h[1]);
+        u.x = tk::pack_bf16(lo.x + acc[k][0], lo.y + acc[k][1]);
+        u.y = tk::pack_bf16(hi.x + acc[k][2], hi.y + acc[k][3]);
+        *dst = u;
     }
 }
 
@@ -1744,11 +1783,27 @@ class EmbeddingBackward {
         size_t bytes = temp_bytes_;
         return cub::DeviceRadixSort::SortPairs(temp_, bytes, ids, sorted_ids_, pos_, sorted_pos_, tokens, 0, 16, stream);
     }
-    // table_grad[id] += sum of grad rows at the positions of id (grad: tokens x 768, row stride ld)
-    cudaError_t accumulate(const __nv_bfloat16* grad, int64_t ld, __nv_bfloat16* table_grad, cudaStream_t stream) {
+    // table_grad[id] += sum of grad rows at the positions of id (grad: tokens x 768, row stride ld),
+    // for `count` (1 to 4) pairs of gradient and table gradient in one pass
+    cudaError_t accumulate(int count, const __nv_bfloat16* const* grads, int64_t ld, __nv_bfloat16* const* table_grads,
+                           cudaStream_t stream) {
+        if (count < 1 || count > embed::MAX_TABLES || ld % 4) return cudaErrorInvalidValue;
         if (tokens_ <= 0) return cudaSuccess;
-        embed::scatter_add_kernel<<<(tokens_ + 7) / 8, 256, 0, stream>>>(sorted_ids_, sorted_pos_, tokens_, grad, ld, table_grad);
+        embed::Tables t{};
+        for (int k = 0; k < count; ++k) t.grad[k] = grads[k], t.table_grad[k] = table_grads[k];
+        t.count = count, t.ld = ld;
+        const unsigned blocks = (unsigned)(((int64_t)tokens_ * embed::SLICES + 7) / 8);
+        // one instance per table count: the loads in flight fill a fixed register budget
+        switch (count) {
+            case 1: embed::scatter_add_kernel<1><<<blocks, 256, 0, stream>>>(sorted_ids_, sorted_pos_, tokens_, t); break;
+            case 2: embed::scatter_add_kernel<2><<<blocks, 256, 0, stream>>>(sorted_ids_, sorted_pos_, tokens_, t); break;
+            case 3: embed::scatter_add_kernel<3><<<blocks, 256, 0, stream>>>(sorted_ids_, sorted_pos_, tokens_, t); break;
+            default: embed::scatter_add_kernel<4><<<blocks, 256, 0, stream>>>(sorted_ids_, sorted_pos_, tokens_, t); break;
+        }
         return cudaGetLastError();
+    }
+    cudaError_t accumulate(const __nv_bfloat16* grad, int64_t ld, __nv_bfloat16* table_grad, cudaStream_t stream) {
+        return accumulate(1, &grad, ld, &table_grad, stream);
     }
 
    private:

@@ -91,17 +91,19 @@ static void bench_model(Gemms& gemms, const char* gemm_choice) {
         DeviceBatch b(T, rng);
         float t_f = time_ms([&] { model.forward(b.tokens, b.cu, b.cu_len, T, fa, s); }, 10);
         float t_fb = time_ms([&] { model.forward(b.tokens, b.cu, b.cu_len, T, fa, s); model.backward(s); }, 10);
-        // one more pass, timed by parts
-        model.profile(true);
+        // one more pass, timed by parts (the trainer's --profile_steps profiler)
+        LoopProfiler prof;
+        g_profiler = &prof;
+        prof.begin_step(s);
         model.forward(b.tokens, b.cu, b.cu_len, T, fa, s);
         model.backward(s);
-        CUDA_CHECK(cudaStreamSynchronize(s));
-        Model::Profile pr = model.profile_ms();
-        model.profile(false);
-        const float rest = t_fb - pr.gemm_ms - pr.attention_ms - pr.head_ms;
+        prof.end_step(s, "bench");
+        g_profiler = nullptr;
+        auto share = [&](Part p) { return 100 * prof.part_ms("bench", p) / t_fb; };
         printf("  %6d tokens: forward (with the lm_head's backward) %7.2f ms, forward + backward %7.2f ms: GEMMs %.0f%%, "
-               "attention %.0f%%, lm_head + loss %.0f%%, the rest (elementwise, norms, embeddings) %.0f%%\n", T, t_f,
-               t_fb, 100 * pr.gemm_ms / t_fb, 100 * pr.attention_ms / t_fb, 100 * pr.head_ms / t_fb, 100 * rest / t_fb);
+               "attention %.0f%%, lm_head %.0f%%, loss %.0f%%, embedding backward %.0f%%, the rest (elementwise, norms) "
+               "%.0f%%\n", T, t_f, t_fb, share(Part::Gemm), share(Part::Attention), share(Part::Head), share(Part::Loss),
+               share(Part::EmbedBwd), share(Part::Elementwise));
     }
     CUDA_CHECK(cudaStreamDestroy(s));
     printf("  device memory of the parameters, gradients, activations and workspaces: %.1f GiB\n",

@@ -906,6 +906,33 @@ static void embedding_case(int tokens, int vocab_used, uint64_t seed) {
            same ? ", bit-identical twice" : ", NOT DETERMINISTIC");
     CHECK(gather_ok && untouched_ok && e < 1e-2 && same, "embedding gather/scatter-add (gather %d untouched %d err %.2e same %d)",
           (int)gather_ok, (int)untouched_ok, e, (int)same);
+    // several tables in one pass (gradients with a row stride of their own) give each table the
+    // same bits as a pass of its own
+    const int LD = D + 4;
+    for (int count : {2, 3, 4}) {
+        std::vector<std::unique_ptr<DeviceArray<uint16_t>>> g, tg;
+        std::vector<std::vector<uint16_t>> g0s;
+        for (int k = 0; k < count; ++k) {
+            g.push_back(std::make_unique<DeviceArray<uint16_t>>(random_bf16(rng, (size_t)tokens * LD, 1.f)));
+            g0s.push_back(random_bf16(rng, (size_t)V * D, 0.1f));
+            tg.push_back(std::make_unique<DeviceArray<uint16_t>>(g0s.back()));
+        }
+        std::vector<const __nv_bfloat16*> gp;
+        std::vector<__nv_bfloat16*> tp;
+        for (int k = 0; k < count; ++k) gp.push_back(bf(g[k]->ptr)), tp.push_back(bf(tg[k]->ptr));
+        CUDA_CHECK(eb.accumulate(count, gp.data(), LD, tp.data(), 0));
+        CUDA_CHECK(cudaDeviceSynchronize());
+        bool alone_ok = true;
+        for (int k = 0; k < count; ++k) {
+            std::vector<uint16_t> together = tg[k]->download();
+            tg[k]->upload(g0s[k]);
+            CUDA_CHECK(eb.accumulate(gp[k], LD, tp[k], 0));
+            CUDA_CHECK(cudaDeviceSynchronize());
+            alone_ok &= tg[k]->download() == together;
+        }
+        CHECK(alone_ok, "embedding backward of %d tables at once differs from one at a time", count);
+    }
+    printf("  embedding %5d tokens: 2, 3 and 4 tables at once, row stride %d: same bits as one at a time\n", tokens, LD);
 }
 
 // the four gates, forward and backward, against fp64 (z rounded to bf16 as the kernels do)
