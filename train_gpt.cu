@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <csignal>
 #include <cstring>
 #include <deque>
 #include <exception>
@@ -37,6 +38,7 @@
 #include <tuple>
 #include <memory>
 #include <random>
+#include <set>
 #include <spawn.h>
 #include <stdexcept>
 #include <string>
@@ -96,7 +98,8 @@ extern char** environ;
     /* evaluation and logging */                                                                                    \
     X(STR, run_id, "", "log name logs/<run_id>.txt (default: a fresh uuid4)")                                       \
     X(I64, val_loss_every, 250, "validate every N steps (0: only at the end)")                                      \
-    X(BOOL, save_checkpoint, false, "save the weights to logs/<run_id>/ at the end")                                \
+    X(BOOL, save_checkpoint, false, "write a checkpoint at the end (logs/<run_id>/state_stepNNNNNN.bin)")          \
+    X(I64, checkpoint_every, 0, "write a checkpoint every N steps (0: never; SIGINT/SIGTERM always writes one)")  \
     X(I64, profile_steps, 0, "time the parts of every Nth training step, by phase; a table at the end (0: off)")   \
     X(BOOL, gemm_autotune, true,                                                                                    \
       "time each GEMM shape's cuBLASLt candidates on its first call (false: the heuristic's first choice)")         \
@@ -273,6 +276,19 @@ static void print0(const std::string& s, bool console = false) {
         printf("%s\n", s.c_str());
         fflush(stdout);
     }
+}
+
+// rank 0: one line for the log, another (more) for the console
+static void print0_console(const std::string& log_line, const std::string& console_line) {
+    if (g_rank != 0) return;
+    print0(log_line);
+    printf("%s\n", console_line.c_str());
+    fflush(stdout);
+}
+
+static std::string format_duration(double seconds) {
+    const long long s = (long long)std::max(0.0, seconds + 0.5);
+    return s >= 3600 ? strprintf("%lldh%02lldm", s / 3600, s / 60 % 60) : strprintf("%lldm%02llds", s / 60, s % 60);
 }
 
 #define CUDA_CHECK(call)                                                                         \
@@ -752,6 +768,42 @@ class Gemms {
     }
 
     size_t cached_plans() const { return plans_.size(); }
+    // The GEMM plan: each shape called so far and its algorithm, one line each ("gemm SHAPE = ALGO
+    // (note)"), for the log; a rerun or a resumed run follows it instead of timing anything.
+    std::string plan_text() const {
+        std::string s;
+        for (const auto& [key, p] : plans_) {
+            std::string note = fixed_ ? "given" : p.tuned_ms_first > 0 ? strprintf("tuned: %.4f ms, first choice %.4f ms",
+                                                                                      p.tuned_ms_best, p.tuned_ms_first)
+                                                                        : "first choice";
+            s += "gemm " + key_text(key) + " = " + algo_hex(p.candidates.front()) + " (" + note + ")\n";
+        }
+        return s;
+    }
+    // Follow a plan (lines as plan_text writes them; others are refused): no timing from now on.
+    void set_plan(const std::string& text) {
+        std::map<std::string, cublasLtMatmulAlgo_t> plan;
+        int line_no = 0;
+        for (const std::string& line : split(text, '\n')) {
+            ++line_no;
+            if (line.empty()) continue;
+            const size_t eq = line.find(" = "), paren = line.find(" (", eq == std::string::npos ? 0 : eq);
+            cublasLtMatmulAlgo_t algo;
+            if (line.rfind("gemm ", 0) != 0 || eq == std::string::npos || paren == std::string::npos || line.back() != ')' ||
+                !parse_algo_hex(line.substr(eq + 3, paren - eq - 3), algo))
+                fail(strprintf("GEMM plan line %d is not 'gemm SHAPE = ALGORITHM (note)': %s", line_no, line.c_str()));
+            if (!plan.emplace(line.substr(5, eq - 5), algo).second)
+                fail(strprintf("GEMM plan line %d names a shape twice: %s", line_no, line.c_str()));
+        }
+        if (!plans_.empty()) fail("set_plan: GEMMs have already run");
+        fixed_plan_ = std::move(plan);
+        fixed_ = true;
+    }
+    // After the warmup: a shape first seen later takes the heuristic's first choice, untimed, so a
+    // rerun that follows the logged plan makes the same choice.
+    void freeze() { frozen_ = true; }
+    int unplanned_shapes() const { return unplanned_; }
+
     // what tuning found: shapes timed, how many left the heuristic's first choice, and the time one
     // call of each shape saves, summed
     std::string tuning_report() const {
@@ -851,7 +903,42 @@ class Gemms {
         CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
         for (int i = 0; i < found; ++i) p.candidates.push_back(results[i].algo);
         if (found == 0) fatal("cuBLASLt has no algorithm for a " + describe(key));
+        if (fixed_ || frozen_) {  // no timing: the given plan's algorithm, else the heuristic's first choice
+            p.tuned = true;
+            auto it = fixed_plan_.find(key_text(key));
+            if (it != fixed_plan_.end()) p.candidates = {it->second};
+            else unplanned_ += fixed_;
+        }
         return plans_.emplace(key, p).first->second;
+    }
+
+    // a shape as the plan names it (every field of the key: the same text means the same call)
+    static std::string key_text(const Key& k) {
+        auto type = [](cudaDataType t) {
+            return t == CUDA_R_16BF ? "bf16" : t == CUDA_R_32F ? "f32" : t == CUDA_R_8F_E4M3 ? "e4m3" : "e5m2";
+        };
+        return strprintf("%s,%s,%s %c%c m=%d n=%d k=%d ld=%lld,%lld,%lld fast=%d align=%d,%d,%d batch=%d stride=%lld,%lld,%lld",
+                         type(k.ta), type(k.tb), type(k.tc), k.opa == Op::N ? 'N' : 'T', k.opb == Op::N ? 'N' : 'T', k.m,
+                         k.n, k.k, (long long)k.lda, (long long)k.ldb, (long long)k.ldc, (int)k.fast_accum, k.align_a,
+                         k.align_b, k.align_c, k.batch, (long long)k.stride_a, (long long)k.stride_b, (long long)k.stride_c);
+    }
+    static std::string algo_hex(const cublasLtMatmulAlgo_t& a) {
+        std::string s;
+        for (uint64_t w : a.data) s += strprintf("%016llx", (unsigned long long)w);
+        return s;
+    }
+    static bool parse_algo_hex(const std::string& h, cublasLtMatmulAlgo_t& a) {
+        if (h.size() != 16 * std::size(a.data)) return false;
+        for (size_t i = 0; i < std::size(a.data); ++i) {
+            uint64_t w = 0;
+            for (char c : h.substr(16 * i, 16)) {
+                const int d = isdigit((unsigned char)c) ? c - '0' : (c >= 'a' && c <= 'f') ? c - 'a' + 10 : -1;
+                if (d < 0) return false;
+                w = w * 16 + d;
+            }
+            a.data[i] = w;
+        }
+        return true;
     }
 
     static std::string describe(const Key& key) {
@@ -953,6 +1040,9 @@ class Gemms {
     void* workspace_ = nullptr;
     size_t workspace_bytes_;
     std::map<Key, Plan> plans_;
+    bool fixed_ = false, frozen_ = false;
+    std::map<std::string, cublasLtMatmulAlgo_t> fixed_plan_;  // shape text -> algorithm
+    int unplanned_ = 0;  // shapes a fixed plan did not name (they take the heuristic's first choice)
 };
 
 // -----------------------------------------------------------------------------
@@ -1491,8 +1581,9 @@ class NorMuonAndAdam {
     // moment and the low 16 bits of its fp32 weights (mant, uint16).
     struct StateView {
         std::string label, kind;
-        const void* data;
+        void* data;
         int64_t n;
+        size_t bytes() const { return (size_t)n * (kind == "mant" ? 2 : 4); }
     };
     std::vector<StateView> state_views() const {
         std::vector<StateView> out;
@@ -1510,6 +1601,32 @@ class NorMuonAndAdam {
             }
         }
         return out;
+    }
+    // The rest of the state, as text for a checkpoint: tied or untied, each Adam parameter's steps.
+    std::string host_state() const {
+        std::string s = strprintf("split %d\n", (int)split_);
+        for (const State& st : states_)
+            if (st.cfg.optim == Optim::Adam) s += strprintf("adam_steps %s %lld\n", st.cfg.label.c_str(), (long long)st.t);
+        return s;
+    }
+    void set_host_state(const std::string& text) {
+        int seen = 0;
+        for (const std::string& line : ::split(text, '\n')) {
+            if (line.empty()) continue;
+            const std::vector<std::string> w = ::split(line, ' ');
+            if (w.size() == 2 && w[0] == "split" && (w[1] == "0" || w[1] == "1")) {
+                split_ = w[1] == "1";
+            } else if (w.size() == 3 && w[0] == "adam_steps") {
+                State& st = state(w[1]);
+                if (st.cfg.optim != Optim::Adam) fail("optimizer state: '" + w[1] + "' is not an Adam parameter");
+                st.t = parse_i64("adam_steps", w[2]);
+                ++seen;
+            } else {
+                fail("optimizer state: unexpected line '" + line + "'");
+            }
+        }
+        const int adam = (int)std::count_if(states_.begin(), states_.end(), [](const State& st) { return st.cfg.optim == Optim::Adam; });
+        if (seen != adam) fail(strprintf("optimizer state: %d Adam step counts for %d Adam parameters", seen, adam));
     }
 
     // Where a step's time goes (for `make bench`), from the steps taken while profiling: NorMuon's
@@ -2544,6 +2661,47 @@ class DistributedDataGenerator {
 
     const std::string& current_file() const { return shard_->path; }
 
+    // Where this rank is in the training stream between two micro-batches, as text (for a
+    // checkpoint): the shard, the BOS finder's place in it, the batch size. Every rank walks one BOS
+    // index for all ranks, so all ranks hold the same position.
+    std::string position() const {
+        if (!opt_.align_to_bos) fail("position: only the BOS-aligned training stream has one");
+        const size_t file = std::find(files_.begin(), files_.end(), shard_->path) - files_.begin();
+        return strprintf("file %zu %s\nbos %lld\nbatch_iter %lld\nquick %lld %lld\nbatch %lld %lld\n", file,
+                         shard_->path.c_str(), (long long)finder_->i, (long long)finder_->batch_iter,
+                         (long long)finder_->n_quick, (long long)finder_->quickload_batches, (long long)num_tokens_,
+                         (long long)max_seq_len_);
+    }
+    // Continues from a position() of the same file list.
+    void seek(const std::string& text) {
+        if (!opt_.align_to_bos) fail("seek: only the BOS-aligned training stream has a position");
+        const std::vector<std::string> l = split(text, '\n');
+        auto field = [&](size_t i, const char* key, size_t n) {
+            std::vector<std::string> w = i < l.size() ? split(l[i], ' ') : std::vector<std::string>{};
+            if (w.size() != n + 1 || w[0] != key) fail(strprintf("data position: line %zu is not '%s ...'", i + 1, key));
+            return w;
+        };
+        const std::vector<std::string> f = field(0, "file", 2), b = field(1, "bos", 1), it = field(2, "batch_iter", 1),
+                                       q = field(3, "quick", 2), bs = field(4, "batch", 2);
+        const int64_t file = parse_i64("file", f[1]);
+        if (file < 0 || file >= (int64_t)files_.size() || files_[file] != f[2])
+            fail(strprintf("data position: file %lld (%s) is not in this run's file list (%zu files)", (long long)file,
+                           f[2].c_str(), files_.size()));
+        preloader_.reset();
+        finder_.reset();
+        shard_ = load_data_shard(files_[file]);
+        finder_ = std::make_unique<BOSFinder>(shard_);
+        const int64_t n_bos = (int64_t)shard_->bos_idx.size();
+        finder_->i = parse_i64("bos", b[1]);
+        finder_->batch_iter = parse_i64("batch_iter", it[1]);
+        finder_->n_quick = parse_i64("quick", q[1]), finder_->quickload_batches = parse_i64("quick", q[2]);
+        num_tokens_ = parse_i64("batch", bs[1]), max_seq_len_ = parse_i64("batch", bs[2]);
+        if (finder_->i < 0 || finder_->i > n_bos || finder_->batch_iter < 0 || finder_->n_quick < -1 ||
+            finder_->n_quick > n_bos || num_tokens_ <= 0 || num_tokens_ % world_size_ != 0 || max_seq_len_ <= 0)
+            fail("data position: a value out of range for " + files_[file]);
+        preloader_ = std::make_unique<DataPreloader>(files_, (size_t)file + 1, opt_.cycle);
+    }
+
    private:
     void reserve(HostBatch& b, int64_t ntl) {
         b.tokens_buf.reserve(ntl + 1, opt_.pinned);
@@ -2749,6 +2907,41 @@ class TrainingManager {
         if (step == split_step) optimizer_.copy_lm_state_to_embed(stream_);
     }
 
+    // The schedule's state between two steps, as text (for a checkpoint; floats as their bits):
+    // the windows with the YaRN state, the batch size, the MTP weights.
+    std::string state() const {
+        std::string s = strprintf("windows %lld %lld\nbatch_size %lld\nattn_scale %a\nyarn", (long long)fa_.ws_short,
+                                  (long long)fa_.ws_long, (long long)batch_size_, fa_.yarn.attn_scale);
+        for (float f : fa_.yarn.angular_freq) s += strprintf(" %a", (double)f);
+        s += "\nmtp";
+        for (float w : fa_.mtp_weights) s += strprintf(" %a", (double)w);
+        return s + "\n";
+    }
+    void set_state(const std::string& text) {
+        const std::vector<std::string> l = split(text, '\n');
+        auto words = [&](size_t i, const char* key) {
+            std::vector<std::string> w = i < l.size() ? split(l[i], ' ') : std::vector<std::string>{};
+            if (w.empty() || w[0] != key) fail(strprintf("schedule state: line %zu is not '%s ...'", i + 1, key));
+            return w;
+        };
+        auto number = [](const std::string& v) {
+            char* end = nullptr;
+            const double x = strtod(v.c_str(), &end);
+            if (v.empty() || *end || !std::isfinite(x)) fail("schedule state: '" + v + "' is not a number");
+            return x;
+        };
+        const std::vector<std::string> w = words(0, "windows"), b = words(1, "batch_size"), a = words(2, "attn_scale"),
+                                       y = words(3, "yarn"), m = words(4, "mtp");
+        if (w.size() != 3 || b.size() != 2 || a.size() != 2 || y.size() != HEAD_DIM + 1 || m.size() < 2 || m.size() > 4)
+            fail("schedule state: wrong number of values");
+        fa_.ws_short = parse_i64("windows", w[1]), fa_.ws_long = parse_i64("windows", w[2]);
+        batch_size_ = parse_i64("batch_size", b[1]);
+        fa_.yarn.attn_scale = number(a[1]);
+        for (int i = 0; i < HEAD_DIM; ++i) fa_.yarn.angular_freq[i] = (float)number(y[1 + i]);
+        fa_.mtp_weights.clear();
+        for (size_t i = 1; i < m.size(); ++i) fa_.mtp_weights.push_back((float)number(m[i]));
+    }
+
    private:
     void reset_schedule() {
         const Windows w = get_ws(args_, 0);
@@ -2808,6 +3001,11 @@ static std::string source_block() {
 // The parts of a log that say what ran: each source and the configuration block.
 struct LogParts {
     std::string train_gpt, triton_kernels, configuration;
+    int configuration_line = 0;  // the log's line number of the configuration's first line
+    std::string versions;        // the lines between the sources and the configuration
+    std::string gemm_plan;       // the GEMM plan block's lines (empty if the log has none)
+    std::vector<std::string> step_lines;  // the step lines with a val_loss, in order
+    std::string last_step_line, memory_line;
 };
 
 // The whole text of a file from a FILE* (a file or a pipe), then closes it with `close`.
@@ -2856,6 +3054,26 @@ static LogParts split_log(const std::string& path) {
     size_t d = c == std::string::npos ? c : text.find(cfg_end, c);
     if (d == std::string::npos) fail(strprintf("%s is not a train_gpt log: no configuration block", path.c_str()));
     p.configuration = text.substr(c + cfg_begin.size(), d - (c + cfg_begin.size()));
+    p.configuration_line = (int)std::count(text.begin(), text.begin() + c, '\n') + 2;
+    p.versions = text.substr(b + rule.size(), c - (b + rule.size()));
+    const std::string plan_begin = "# gemm plan\n", plan_end = "# end gemm plan\n";
+    size_t e = text.find(plan_begin, d);
+    size_t g = e == std::string::npos ? e : text.find(plan_end, e);
+    if (e != std::string::npos && g == std::string::npos)
+        fail(strprintf("%s: the GEMM plan block has no end (a truncated log?)", path.c_str()));
+    if (e != std::string::npos) p.gemm_plan = text.substr(e + plan_begin.size(), g - (e + plan_begin.size()));
+    // the results: only whole step lines after the configuration count (the sources hold such text too)
+    size_t pos = d;
+    while (pos < text.size()) {
+        size_t nl = text.find('\n', pos);
+        const std::string line = text.substr(pos, nl == std::string::npos ? std::string::npos : nl - pos);
+        pos = nl == std::string::npos ? text.size() : nl + 1;
+        if (line.rfind("step:", 0) == 0 && line.find(" train_time:") != std::string::npos) {
+            p.last_step_line = line;
+            if (line.find(" val_loss:") != std::string::npos) p.step_lines.push_back(line);
+        }
+        if (line.rfind("peak memory", 0) == 0) p.memory_line = line;
+    }
     return p;
 }
 
@@ -2865,10 +3083,93 @@ static void write_file(const std::string& path, const std::string& text) {
         fail(strprintf("cannot write %s: %s", path.c_str(), strerror(errno)));
 }
 
-// `--diff-logs A B`: a unified diff (diff -u) of the sources and configuration of two runs.
-// Returns 0 when they are the same, 1 when they differ.
+// `key = value` lines of a configuration block, in order (lines without " = " are left out)
+static std::vector<std::pair<std::string, std::string>> config_entries(const std::string& block) {
+    std::vector<std::pair<std::string, std::string>> out;
+    for (const std::string& line : split(block, '\n')) {
+        const size_t eq = line.find(" = ");
+        if (eq != std::string::npos) out.push_back({line.substr(0, eq), line.substr(eq + 3)});
+    }
+    return out;
+}
+// what says which run a log is, not how it ran
+static bool run_identity_key(const std::string& key) { return key == "run_id" || key == "command_line"; }
+
+// `--diff-logs A B`: a summary (same code or not, the configuration keys that differ, the versions
+// and GPUs that differ, the results side by side), then a unified diff (diff -u) of the sources
+// and of the configuration without the run id. Returns 0 for the same code and configuration, 1
+// when they differ; an error (not a log, unreadable) throws, and main() makes it exit 2.
 static int diff_logs(const std::string& log_a, const std::string& log_b) {
     LogParts pa = split_log(log_a), pb = split_log(log_b);
+    const bool same_train = pa.train_gpt == pb.train_gpt, same_kernels = pa.triton_kernels == pb.triton_kernels;
+    printf("code: %s\n", same_train && same_kernels ? "same sources"
+                       : strprintf("differs (%s%s%s)", same_train ? "" : "train_gpt.cu",
+                                   !same_train && !same_kernels ? ", " : "", same_kernels ? "" : "triton_kernels.cu").c_str());
+    // the configuration, key by key
+    auto entries = [](const std::string& block) {
+        std::map<std::string, std::string> m;
+        for (auto& [k, v] : config_entries(block))
+            if (!run_identity_key(k)) m[k] = v;
+        return m;
+    };
+    const std::map<std::string, std::string> ca = entries(pa.configuration), cb = entries(pb.configuration);
+    std::vector<std::string> differ;
+    for (const auto& [k, v] : ca)
+        if (!cb.count(k) || cb.at(k) != v) differ.push_back(k);
+    for (const auto& [k, v] : cb)
+        if (!ca.count(k)) differ.push_back(k);
+    if (differ.empty()) printf("configuration: same (run ids aside)\n");
+    else {
+        printf("configuration: %zu keys differ\n", differ.size());
+        for (const std::string& k : differ)
+            printf("  %s: %s -> %s\n", k.c_str(), ca.count(k) ? ca.at(k).c_str() : "(absent)",
+                   cb.count(k) ? cb.at(k).c_str() : "(absent)");
+    }
+    // versions and GPU (the nvidia-smi snapshot left out: clocks and temperatures always differ)
+    const std::vector<std::string> va = split(pa.versions, '\n'), vb = split(pb.versions, '\n');
+    std::vector<std::string> vdiff;
+    for (size_t i = 0; i < std::max(va.size(), vb.size()); ++i) {
+        const std::string x = i < va.size() ? va[i] : "", y = i < vb.size() ? vb[i] : "";
+        if (x != y) vdiff.push_back("  " + x + "  |  " + y);
+    }
+    printf("versions and GPU: %s\n", vdiff.empty() ? "same" : "differ");
+    for (const std::string& d : vdiff) printf("%s\n", d.c_str());
+    printf("gemm plan: %s\n", pa.gemm_plan == pb.gemm_plan ? "same" : "differs");
+    // the results side by side
+    auto val_losses = [](const LogParts& p) {
+        std::map<long long, std::string> m;
+        for (const std::string& line : p.step_lines) {
+            long long step = 0, total = 0;
+            char loss[32] = {0};
+            if (sscanf(line.c_str(), "step:%lld/%lld val_loss:%31s", &step, &total, loss) == 3) m[step] = loss;
+        }
+        return m;
+    };
+    const std::map<long long, std::string> la = val_losses(pa), lb = val_losses(pb);
+    std::set<long long> steps;
+    for (auto& [k, v] : la) steps.insert(k);
+    for (auto& [k, v] : lb) steps.insert(k);
+    printf("results:\n  %-12s %-14s %-14s\n", "step", "A val_loss", "B val_loss");
+    for (long long st : steps)
+        printf("  %-12lld %-14s %-14s%s\n", st, la.count(st) ? la.at(st).c_str() : "-", lb.count(st) ? lb.at(st).c_str() : "-",
+               la.count(st) && lb.count(st) && la.at(st) != lb.at(st) ? "  *" : "");
+    auto train_time = [](const LogParts& p) {
+        const size_t at = p.last_step_line.find("train_time:");
+        return at == std::string::npos ? std::string("-") : p.last_step_line.substr(at + 11, p.last_step_line.find(' ', at) - at - 11);
+    };
+    printf("  %-12s %-14s %-14s\n", "train_time", train_time(pa).c_str(), train_time(pb).c_str());
+    printf("  memory: A %s\n          B %s\n", pa.memory_line.empty() ? "-" : pa.memory_line.c_str(),
+           pb.memory_line.empty() ? "-" : pb.memory_line.c_str());
+    // the unified diffs
+    auto without_identity = [](const std::string& block) {
+        std::string out;
+        for (const std::string& line : split(block, '\n')) {
+            const size_t eq = line.find(" = ");
+            if (eq == std::string::npos || !run_identity_key(line.substr(0, eq))) out += line + "\n";
+        }
+        return out;
+    };
+    pa.configuration = without_identity(pa.configuration), pb.configuration = without_identity(pb.configuration);
     char tmpl[] = "/tmp/train_gpt_diff_XXXXXX";
     if (!mkdtemp(tmpl)) fail(strprintf("cannot make a temporary folder: %s", strerror(errno)));
     const std::string dir = tmpl;
@@ -2881,8 +3182,8 @@ static int diff_logs(const std::string& log_a, const std::string& log_b) {
         std::string fa = dir + "/a_" + name, fb = dir + "/b_" + name;
         write_file(fa, pa.*member);
         write_file(fb, pb.*member);
-        std::string la = log_a + ":" + name, lb = log_b + ":" + name;
-        const char* argv[] = {"diff", "-u", "--label", la.c_str(), "--label", lb.c_str(), fa.c_str(), fb.c_str(), nullptr};
+        std::string la_ = log_a + ":" + name, lb_ = log_b + ":" + name;
+        const char* argv[] = {"diff", "-u", "--label", la_.c_str(), "--label", lb_.c_str(), fa.c_str(), fb.c_str(), nullptr};
         fflush(stdout);
         pid_t pid;
         int rc = posix_spawnp(&pid, "diff", nullptr, nullptr, (char* const*)argv, environ);
@@ -2917,6 +3218,19 @@ static std::string run_command(const char* cmd) {
     if (rc < 0 && out.empty()) return strprintf("(%s: could not run)\n", cmd);
     if (rc != 0 && out.empty()) out = strprintf("(%s: not available)\n", cmd);
     return out;
+}
+
+// What a GEMM plan holds for: the GPU and the library (another picks its algorithms differently).
+static std::string gemm_plan_device() {
+    cudaDeviceProp prop;
+    int dev = 0, rt = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    CUDA_CHECK(cudaRuntimeGetVersion(&rt));
+    const size_t lt = cublasLtGetVersion();
+    return strprintf("gemm_plan_for = %s, %d SMs, compute capability %d.%d, cuBLASLt %zu.%zu.%zu, CUDA runtime %d.%d",
+                     prop.name, prop.multiProcessorCount, prop.major, prop.minor, lt / 10000, lt % 10000 / 100, lt % 100,
+                     rt / 1000, rt % 1000 / 10);
 }
 
 static std::string versions_text() {
@@ -3013,31 +3327,375 @@ static std::string configuration_text(Hyperparameters& a, int world_size, const 
     return s;
 }
 
-// The weights at the end of a run (the record's save_checkpoint): logs/<run_id>/state_stepNNNNNN.bin
-// holds a text header, one line per parameter "label bf16|fp32 dims...", "end", then each
-// parameter's raw little-endian values in that order (numpy: np.fromfile(f, offset=...)).
-static void save_checkpoint(ParamStore& params, const std::string& run_id, int64_t step) {
-    const std::string dir = "logs/" + run_id;
-    mkdir(dir.c_str(), 0755);
-    const std::string path = dir + strprintf("/state_step%06lld.bin", (long long)step);
-    std::string header = strprintf("train_gpt checkpoint 1\nstep %lld\n", (long long)step);
-    for (Param& p : params.all()) {
-        header += p.shape.label + (p.shape.fp32 ? " fp32" : " bf16");
-        for (int64_t d : p.shape.shape) header += " " + std::to_string(d);
-        header += "\n";
+// -----------------------------------------------------------------------------
+// Checkpoints: everything a continuation needs, in one file that rank 0 writes (the record's
+// save_checkpoint, which saves the model and the optimizer's state). Format (version 2):
+//   a text header of lines, then the blobs' raw bytes, in the header's order:
+//     train_gpt checkpoint 2
+//     world_size N / step S (steps done) / config_hash H / source_hash H
+//     blob NAME BYTES          (one line per blob)
+//     checksum H               (64-bit hash of every blob's bytes, in order)
+//     end
+//   Blobs: config (the log's configuration block), gemm_plan (the log's GEMM plan), trainer (the
+//   step, the clock, the schedule's state, the optimizer's step counts and tie), param/LABEL (every
+//   parameter's values; bf16 or fp32 little-endian, row-major as model_params gives the shape),
+//   rankR/grad/LABEL (rank R's accumulated gradient of each Adam parameter: Adam steps every other
+//   step), rankR/state/LABEL/KIND (rank R's shard of the optimizer's state: Adam m, v; NorMuon buf,
+//   sm and mant, the low 16 bits of the fp32 weights), rankR/data (rank R's place in the data).
+// Written to a temporary name, synced, then renamed: a crash leaves the old file or the new one.
+// Read back, every name and size is checked against this model before any byte is read, the file's
+// size against the header, and the checksum before anything is used.
+
+constexpr int CHECKPOINT_VERSION = 2;
+constexpr size_t CHECKPOINT_MAX_HEADER = 1 << 20;
+constexpr uint64_t CHECKPOINT_MAX_TEXT = 64 << 20;  // the largest text blob a reader accepts
+
+// 64-bit hash of bytes (FNV-1a over 8-byte words, then the tail): fast enough for gigabytes
+static uint64_t hash_bytes(const void* data, size_t n, uint64_t h = 0xcbf29ce484222325ull) {
+    const unsigned char* p = (const unsigned char*)data;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        h = (h ^ w) * 0x100000001b3ull;
+        h ^= h >> 29;
     }
-    header += "end\n";
-    FILE* f = fopen(path.c_str(), "wb");
-    if (!f) fail(strprintf("cannot write %s: %s", path.c_str(), strerror(errno)));
+    for (; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+    return h;
+}
+static std::string hex64(uint64_t v) { return strprintf("%016llx", (unsigned long long)v); }
+
+struct CheckpointHeader {
+    int world_size = 0;
+    int64_t step = 0;
+    std::string config_hash, source_hash, checksum;
+    std::vector<std::pair<std::string, uint64_t>> blobs;  // in file order
+    size_t header_bytes = 0;
+};
+
+// Writes path atomically (PATH.tmp, fsync, rename).
+static void write_checkpoint_file(const std::string& path, int world_size, int64_t step, const std::string& config_hash,
+                                  const std::string& source_hash,
+                                  const std::vector<std::pair<std::string, std::string>>& blobs) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    std::string header = strprintf("train_gpt checkpoint %d\nworld_size %d\nstep %lld\nconfig_hash %s\nsource_hash %s\n",
+                                   CHECKPOINT_VERSION, world_size, (long long)step, config_hash.c_str(), source_hash.c_str());
+    for (const auto& [name, bytes] : blobs) {
+        if (name.empty() || name.find_first_of(" \n") != std::string::npos) fail("checkpoint blob name '" + name + "'");
+        header += strprintf("blob %s %zu\n", name.c_str(), bytes.size());
+        h = hash_bytes(bytes.data(), bytes.size(), h);
+    }
+    header += "checksum " + hex64(h) + "\nend\n";
+    const std::string tmp = path + ".tmp";
+    FILE* f = fopen(tmp.c_str(), "wb");
+    if (!f) fail(strprintf("cannot write %s: %s", tmp.c_str(), strerror(errno)));
     bool ok = fwrite(header.data(), 1, header.size(), f) == header.size();
-    for (Param& p : params.all()) {
-        std::vector<char> h(p.bytes());
-        CUDA_CHECK(cudaMemcpy(h.data(), p.data, h.size(), cudaMemcpyDeviceToHost));
-        ok &= fwrite(h.data(), 1, h.size(), f) == h.size();
+    for (const auto& [name, bytes] : blobs) ok = ok && fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+    ok = ok && fflush(f) == 0 && fsync(fileno(f)) == 0;
+    ok = (fclose(f) == 0) && ok;
+    if (!ok || rename(tmp.c_str(), path.c_str()) != 0) {
+        const std::string err = strerror(errno);
+        unlink(tmp.c_str());
+        fail(strprintf("writing checkpoint %s failed: %s", path.c_str(), err.c_str()));
     }
-    ok &= fclose(f) == 0;
-    if (!ok) fail(strprintf("writing %s failed: %s", path.c_str(), strerror(errno)));
-    print0("saved " + path, true);
+}
+
+// The header, checked for form and against the file's size; no blob is read.
+static CheckpointHeader read_checkpoint_header(const std::string& path) {
+    FILE* f = fopen(path.c_str(), "rb");
+    if (!f) fail(strprintf("cannot open checkpoint %s: %s", path.c_str(), strerror(errno)));
+    std::string text(CHECKPOINT_MAX_HEADER, '\0');
+    text.resize(fread(text.data(), 1, text.size(), f));
+    fseeko(f, 0, SEEK_END);
+    const uint64_t file_bytes = (uint64_t)ftello(f);
+    fclose(f);
+    auto bad = [&](const std::string& why) { fail("checkpoint " + path + ": " + why); };
+    const size_t end = text.find("\nend\n");
+    if (text.rfind("train_gpt checkpoint ", 0) != 0) bad("not a train_gpt checkpoint");
+    CheckpointHeader h;
+    if (end == std::string::npos) bad("no end of header in its first 1 MiB (truncated or not a checkpoint)");
+    h.header_bytes = end + 5;
+    const std::vector<std::string> lines = split(text.substr(0, end), '\n');
+    const std::string version = lines[0].substr(21);
+    if (version != std::to_string(CHECKPOINT_VERSION))
+        bad(strprintf("format version %s; this trainer reads version %d", version.c_str(), CHECKPOINT_VERSION));
+    uint64_t total = 0;
+    int fields = 0;
+    for (size_t i = 1; i < lines.size(); ++i) {
+        const std::vector<std::string> w = split(lines[i], ' ');
+        auto want = [&](size_t n) {
+            if (w.size() != n) bad(strprintf("header line %zu is malformed: '%s'", i + 1, lines[i].c_str()));
+        };
+        auto count = [&](const std::string& v, uint64_t max) {
+            errno = 0;
+            char* e = nullptr;
+            const unsigned long long x = strtoull(v.c_str(), &e, 10);
+            if (v.empty() || *e || errno || v[0] == '-' || x > max)
+                bad(strprintf("header line %zu: '%s' is not a size up to %llu", i + 1, v.c_str(), (unsigned long long)max));
+            return (uint64_t)x;
+        };
+        if (w.empty()) bad(strprintf("header line %zu is empty", i + 1));
+        if (w[0] == "world_size") want(2), h.world_size = (int)count(w[1], 1024), ++fields;
+        else if (w[0] == "step") want(2), h.step = (int64_t)count(w[1], 1ull << 40), ++fields;
+        else if (w[0] == "config_hash") want(2), h.config_hash = w[1], ++fields;
+        else if (w[0] == "source_hash") want(2), h.source_hash = w[1], ++fields;
+        else if (w[0] == "checksum") want(2), h.checksum = w[1], ++fields;
+        else if (w[0] == "blob") {
+            want(3);
+            if (h.blobs.size() >= 100000) bad("more than 100000 blobs");
+            h.blobs.push_back({w[1], count(w[2], 1ull << 40)});
+            total += h.blobs.back().second;
+        } else bad(strprintf("header line %zu is unknown: '%s'", i + 1, lines[i].c_str()));
+    }
+    if (fields != 5) bad("header lacks world_size, step, config_hash, source_hash or checksum");
+    if (file_bytes != h.header_bytes + total)
+        bad(strprintf("%llu bytes, the header says %llu (truncated or corrupt)", (unsigned long long)file_bytes,
+                      (unsigned long long)(h.header_bytes + total)));
+    return h;
+}
+
+// What a reader expects of each blob: its exact size, or (text) its largest.
+struct BlobSpec {
+    uint64_t bytes;
+    bool text;
+};
+
+// Reads the blobs named in `want` (names of `expected`; empty: all), after checking every name and
+// size of the file against `expected`; with verify, reads every blob and checks the checksum.
+static std::map<std::string, std::string> read_checkpoint_blobs(const std::string& path, const CheckpointHeader& h,
+                                                                const std::map<std::string, BlobSpec>& expected,
+                                                                const std::set<std::string>& want, bool verify) {
+    auto bad = [&](const std::string& why) { fail("checkpoint " + path + ": " + why); };
+    std::set<std::string> seen;
+    for (const auto& [name, bytes] : h.blobs) {
+        auto it = expected.find(name);
+        if (it == expected.end()) bad("holds '" + name + "', which this model does not have (other model or world size?)");
+        if (!seen.insert(name).second) bad("holds '" + name + "' twice");
+        if (it->second.text ? bytes > it->second.bytes : bytes != it->second.bytes)
+            bad(strprintf("'%s' holds %llu bytes, this model's takes %s%llu (other model shape?)", name.c_str(),
+                          (unsigned long long)bytes, it->second.text ? "at most " : "", (unsigned long long)it->second.bytes));
+    }
+    for (const auto& [name, spec] : expected)
+        if (!seen.count(name)) bad("lacks '" + name + "' (other model, world size or format?)");
+    FILE* f = fopen(path.c_str(), "rb");
+    if (!f) bad(strerror(errno));
+    std::map<std::string, std::string> out;
+    uint64_t hash = 0xcbf29ce484222325ull, offset = h.header_bytes;
+    for (const auto& [name, bytes] : h.blobs) {
+        const bool keep = want.empty() || want.count(name);
+        if (keep || verify) {
+            std::string data(bytes, '\0');
+            if (fseeko(f, (off_t)offset, SEEK_SET) != 0 || fread(data.data(), 1, bytes, f) != bytes) {
+                fclose(f);
+                bad("cannot read '" + name + "' (truncated?)");
+            }
+            hash = hash_bytes(data.data(), data.size(), hash);
+            if (keep) out[name] = std::move(data);
+        }
+        offset += bytes;
+    }
+    fclose(f);
+    if (verify && hex64(hash) != h.checksum) bad("checksum mismatch: the file is corrupt");
+    return out;
+}
+
+// A logged configuration block read back (by --rerun from a log, by --resume from a checkpoint):
+// every flag of this trainer must be there once, with a value this trainer parses; the run id is
+// not taken (a rerun is a run of its own). `where` and `first_line` name the lines in messages.
+struct LoggedRun {
+    Hyperparameters args;
+    std::string data_path;
+    int world_size = 0;
+};
+static LoggedRun parse_logged_configuration(const std::string& block, const std::string& where, int first_line) {
+    LoggedRun run;
+    std::vector<Option> opts = options_of(run.args);
+    std::set<std::string> seen;
+    const std::vector<std::string> lines = split(block, '\n');
+    for (size_t i = 0; i < lines.size(); ++i) {
+        const std::string& line = lines[i];
+        const int no = first_line + (int)i;
+        if (line.empty()) continue;
+        const size_t eq = line.find(" = ");
+        if (eq == std::string::npos) fail(strprintf("%s line %d is not 'key = value': '%s'", where.c_str(), no, line.c_str()));
+        const std::string key = line.substr(0, eq), value = line.substr(eq + 3);
+        if (!seen.insert(key).second) fail(strprintf("%s line %d: '%s' appears twice", where.c_str(), no, key.c_str()));
+        auto it = std::find_if(opts.begin(), opts.end(), [&](const Option& o) { return key == o.name; });
+        try {
+            if (key == "DATA_PATH") run.data_path = value;
+            else if (key == "world_size") run.world_size = (int)parse_i64("world_size", value);
+            else if (it != opts.end() && key != "run_id") set_option(*it, value);
+        } catch (const TrainerError& e) {
+            fail(strprintf("%s line %d: %s", where.c_str(), no, e.what()));
+        }
+    }
+    for (const Option& o : opts)
+        if (!seen.count(o.name))
+            fail(strprintf("%s: the configuration has no '%s' (a log of other code, or edited?)", where.c_str(), o.name));
+    if (!seen.count("DATA_PATH") || run.world_size <= 0)
+        fail(strprintf("%s: the configuration has no DATA_PATH or world_size", where.c_str()));
+    return run;
+}
+
+// Refuses a logged configuration block that is not what this trainer writes for the flags it
+// holds (an edited log: derived lines such as the step plan must follow from the flags).
+static void check_logged_configuration(const std::string& block, const std::string& where, int first_line,
+                                       LoggedRun& run) {
+    const std::string ours = configuration_text(run.args, run.world_size, run.data_path, "");
+    const std::vector<std::string> a = split(block, '\n');
+    std::vector<std::string> b = split(ours, '\n');
+    b.erase(b.begin());  // "# configuration"
+    for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
+        const std::string x = i < a.size() ? a[i] : "", y = i < b.size() ? b[i] : "";
+        if (y == "# end configuration" && x.empty()) break;
+        const size_t eq = x.find(" = ");
+        if (eq != std::string::npos && run_identity_key(x.substr(0, eq))) continue;
+        if (x != y)
+            fail(strprintf("%s line %d: '%s' is not what this trainer logs for this configuration ('%s'): an edited log?",
+                           where.c_str(), first_line + (int)i, x.c_str(), y.c_str()));
+    }
+}
+
+// The blobs of a checkpoint of this model, optimizer and world size, with their sizes.
+static std::map<std::string, BlobSpec> checkpoint_layout(ParamStore& params, const NorMuonAndAdam& opt, int world_size) {
+    std::map<std::string, BlobSpec> m;
+    for (const char* text : {"config", "gemm_plan", "trainer", "schedule", "optimizer"}) m[text] = {CHECKPOINT_MAX_TEXT, true};
+    for (Param& p : params.all()) m["param/" + p.shape.label] = {p.bytes(), false};
+    for (int r = 0; r < world_size; ++r) {
+        const std::string rank = strprintf("rank%d/", r);
+        for (Param& p : params.all())
+            if (table_entry(p.shape.label).optim == Optim::Adam) m[rank + "grad/" + p.shape.label] = {p.bytes(), false};
+        for (const auto& sv : opt.state_views()) m[rank + "state/" + sv.label + "/" + sv.kind] = {sv.bytes(), false};
+        m[rank + "data"] = {CHECKPOINT_MAX_TEXT, true};
+    }
+    return m;
+}
+
+static std::string download(const void* dev, size_t bytes) {
+    std::string h(bytes, '\0');
+    CUDA_CHECK(cudaMemcpy(h.data(), dev, bytes, cudaMemcpyDeviceToHost));
+    return h;
+}
+static void upload(void* dev, const std::string& h) { CUDA_CHECK(cudaMemcpy(dev, h.data(), h.size(), cudaMemcpyHostToDevice)); }
+
+// What a checkpoint holds besides the model, as the trainer passes it in.
+struct RunState {
+    std::string configuration, gemm_plan;
+    int64_t steps_done = 0;
+    double training_time_ms = 0;
+};
+
+// Writes logs/<run_id>/state_stepNNNNNN.bin (NNNNNN: steps done) at a step boundary: every rank
+// sends its own blobs (its gradients, optimizer shards and data position) to rank 0, which writes
+// the file. Returns the path.
+static std::string save_checkpoint(const Hyperparameters& args, ParamStore& params, const NorMuonAndAdam& opt,
+                                   const TrainingManager& tm, const DistributedDataGenerator& loader, const RunState& rs,
+                                   int rank, int world_size) {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<std::pair<std::string, std::string>> mine;
+    const std::string prefix = strprintf("rank%d/", rank);
+    for (Param& p : params.all())
+        if (table_entry(p.shape.label).optim == Optim::Adam) mine.push_back({prefix + "grad/" + p.shape.label, download(p.grad, p.bytes())});
+    for (const auto& sv : opt.state_views()) mine.push_back({prefix + "state/" + sv.label + "/" + sv.kind, download(sv.data, sv.bytes())});
+    mine.push_back({prefix + "data", loader.position()});
+    const std::string dir = "logs/" + args.run_id;
+    const std::string path = dir + strprintf("/state_step%06lld.bin", (long long)rs.steps_done);
+    if (rank != 0) {  // to rank 0: the count, then each name and bytes
+        uint64_t n = mine.size();
+        MPI_CHECK(MPI_Send(&n, 1, MPI_UINT64_T, 0, 7, MPI_COMM_WORLD));
+        for (const auto& [name, bytes] : mine)
+            for (const std::string* part : {&name, &bytes}) {
+                uint64_t len = part->size();
+                if (len > (uint64_t)INT32_MAX) fail("checkpoint: a blob over 2 GiB");
+                MPI_CHECK(MPI_Send(&len, 1, MPI_UINT64_T, 0, 7, MPI_COMM_WORLD));
+                MPI_CHECK(MPI_Send(part->data(), (int)len, MPI_BYTE, 0, 7, MPI_COMM_WORLD));
+            }
+        MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
+        return path;
+    }
+    std::vector<std::pair<std::string, std::string>> blobs = {
+        {"config", rs.configuration},
+        {"gemm_plan", rs.gemm_plan},
+        {"trainer", strprintf("steps_done %lld\ntraining_time_ms %a\n", (long long)rs.steps_done, rs.training_time_ms)},
+        {"schedule", tm.state()},
+        {"optimizer", opt.host_state()}};
+    for (Param& p : params.all()) blobs.push_back({"param/" + p.shape.label, download(p.data, p.bytes())});
+    for (auto& b : mine) blobs.push_back(std::move(b));
+    for (int r = 1; r < world_size; ++r) {
+        uint64_t n = 0;
+        MPI_CHECK(MPI_Recv(&n, 1, MPI_UINT64_T, r, 7, MPI_COMM_WORLD, MPI_STATUS_IGNORE));
+        for (uint64_t i = 0; i < n; ++i) {
+            std::string parts[2];
+            for (std::string& part : parts) {
+                uint64_t len = 0;
+                MPI_CHECK(MPI_Recv(&len, 1, MPI_UINT64_T, r, 7, MPI_COMM_WORLD, MPI_STATUS_IGNORE));
+                part.resize(len);
+                MPI_CHECK(MPI_Recv(part.data(), (int)len, MPI_BYTE, r, 7, MPI_COMM_WORLD, MPI_STATUS_IGNORE));
+            }
+            blobs.push_back({parts[0], parts[1]});
+        }
+    }
+    mkdir("logs", 0755);
+    mkdir(dir.c_str(), 0755);
+    write_checkpoint_file(path, world_size, rs.steps_done, hex64(hash_bytes(rs.configuration.data(), rs.configuration.size())),
+                          hex64(hash_bytes(source_block().data(), source_block().size())), blobs);
+    MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
+    return path;
+}
+
+// The checkpoint's header and text blobs (the configuration and the GEMM plan a resumed run
+// starts from), before the model exists; the rest is checked when it is loaded.
+static std::map<std::string, std::string> read_checkpoint_texts(const std::string& path, const CheckpointHeader& h) {
+    std::map<std::string, BlobSpec> any;
+    for (const auto& [name, bytes] : h.blobs) any[name] = {bytes, false};
+    for (const char* name : {"config", "gemm_plan", "trainer"}) {
+        auto it = any.find(name);
+        if (it == any.end()) fail(strprintf("checkpoint %s: lacks '%s'", path.c_str(), name));
+        if (it->second.bytes > CHECKPOINT_MAX_TEXT) fail(strprintf("checkpoint %s: '%s' is too large", path.c_str(), name));
+    }
+    return read_checkpoint_blobs(path, h, any, {"config", "gemm_plan", "trainer"}, false);
+}
+
+// Loads a checkpoint into the model, the optimizer, the schedule and this rank's data stream (every
+// blob checked first: names, sizes, checksum). Returns the steps done and the clock.
+static RunState load_checkpoint(const std::string& path, const CheckpointHeader& h, ParamStore& params,
+                                NorMuonAndAdam& opt, TrainingManager& tm, DistributedDataGenerator& loader, int rank,
+                                int world_size) {
+    if (h.world_size != world_size)
+        fail(strprintf("checkpoint %s was written at world size %d; this run has %d ranks", path.c_str(), h.world_size,
+                       world_size));
+    const std::string prefix = strprintf("rank%d/", rank);
+    const std::map<std::string, BlobSpec> layout = checkpoint_layout(params, opt, world_size);
+    std::set<std::string> want;
+    for (const auto& [name, spec] : layout)
+        if (name.rfind("rank", 0) != 0 || name.rfind(prefix, 0) == 0) want.insert(name);
+    std::map<std::string, std::string> b = read_checkpoint_blobs(path, h, layout, want, true);
+    for (Param& p : params.all()) {
+        upload(p.data, b.at("param/" + p.shape.label));
+        CUDA_CHECK(cudaMemset(p.grad, 0, p.bytes()));
+        if (table_entry(p.shape.label).optim == Optim::Adam) upload(p.grad, b.at(prefix + "grad/" + p.shape.label));
+    }
+    for (const auto& sv : opt.state_views()) upload(sv.data, b.at(prefix + "state/" + sv.label + "/" + sv.kind));
+    opt.set_host_state(b.at("optimizer"));
+    tm.set_state(b.at("schedule"));
+    loader.seek(b.at(prefix + "data"));
+    RunState rs;
+    rs.configuration = b.at("config"), rs.gemm_plan = b.at("gemm_plan");
+    long long steps = -1;
+    double clock = 0;
+    if (sscanf(b.at("trainer").c_str(), "steps_done %lld\ntraining_time_ms %la", &steps, &clock) != 2 || steps != h.step)
+        fail("checkpoint " + path + ": the trainer blob does not match the header's step");
+    rs.steps_done = steps, rs.training_time_ms = clock;
+    CUDA_CHECK(cudaDeviceSynchronize());
+    return rs;
+}
+
+// SIGINT / SIGTERM: the first asks every rank to stop after the current step (rank 0 writes a
+// checkpoint); a second stops at once.
+static volatile sig_atomic_t g_stop_signal = 0;
+static void on_stop_signal(int sig) {
+    if (g_stop_signal) _exit(128 + sig);
+    g_stop_signal = sig;
 }
 
 static void print_help() {
@@ -3091,7 +3749,8 @@ static void finalize_distributed(Distributed& d) {
 
 // Rank 0 opens logs/<run_id>.txt (the run id of rank 0 names it) and writes its header: the
 // sources, the versions, the resolved configuration, nvidia-smi.
-static void open_log(Hyperparameters& args, const Distributed& d, const std::string& data_path, int argc, char** argv) {
+static std::string open_log(Hyperparameters& args, const Distributed& d, const std::string& data_path, int argc,
+                            char** argv) {
     char run_id[64] = {0};
     if (d.rank == 0) snprintf(run_id, sizeof run_id, "%s", args.run_id.empty() ? make_uuid4().c_str() : args.run_id.c_str());
     MPI_CHECK(MPI_Bcast(run_id, sizeof run_id, MPI_CHAR, 0, MPI_COMM_WORLD));
@@ -3107,9 +3766,13 @@ static void open_log(Hyperparameters& args, const Distributed& d, const std::str
     }
     print0(source_block() + LOG_RULE);
     print0(versions_text());
-    print0(configuration_text(args, d.world_size, data_path, command_line));
+    const std::string configuration = configuration_text(args, d.world_size, data_path, command_line);
+    print0(configuration);
     print0(run_command("nvidia-smi 2>&1"));
     print0(LOG_RULE);
+    // the block's lines, as a checkpoint keeps them
+    const std::string begin = "# configuration\n", end = "# end configuration\n";
+    return configuration.substr(begin.size(), configuration.size() - begin.size() - end.size());
 }
 
 // The device memory in use (total - free, so the CUDA context and NCCL's buffers count too), at
@@ -3124,27 +3787,100 @@ static double peak_mib() {
 
 static int trainer_main(int argc, char** argv) {
     std::vector<std::string> cli(argv + 1, argv + argc);
+    // under mpirun, the commands that only print run on rank 0 alone
+    const char* launcher_rank = getenv("OMPI_COMM_WORLD_RANK");
+    const bool print_rank = !launcher_rank || std::string(launcher_rank) == "0";
     if (!cli.empty() && (cli[0] == "--help" || cli[0] == "-h")) {
-        print_help();
+        if (print_rank) print_help();
         return 0;
     }
     if (!cli.empty() && cli[0] == "--print-source") {
-        fputs(source_block().c_str(), stdout);
+        if (print_rank) fputs(source_block().c_str(), stdout);
         return 0;
     }
     if (!cli.empty() && cli[0] == "--diff-logs") {
         if (cli.size() != 3) fail("usage: ./train_gpt --diff-logs A.txt B.txt");
-        return diff_logs(cli[1], cli[2]);
+        try {
+            return diff_logs(cli[1], cli[2]);
+        } catch (const TrainerError& e) {
+            fprintf(stderr, "error: %s\n", e.what());
+            return 2;
+        }
     }
     Distributed dist = init_distributed(argc, argv);
     const int world_size = dist.world_size, grad_accum_steps = 8 / world_size;
+
+    // The configuration: the flags, or a log's (--rerun LOG) or a checkpoint's (--resume PATH) with
+    // the flags after it on top. Every rank checks it and the data; on an error rank 0 alone says
+    // why and all ranks stop.
     Hyperparameters args;
-    parse_args(args, cli);
-    validate_args(args, world_size);
-    const char* dp = getenv("DATA_PATH");
-    const std::string data_path = dp ? dp : ".";
+    std::string data_path, given_plan, resume_path;
+    CheckpointHeader resume_header;
+    std::string setup_error;
+    try {
+        std::vector<std::string> flags = cli;
+        const char* dp = getenv("DATA_PATH");
+        data_path = dp ? dp : ".";
+        if (!cli.empty() && (cli[0] == "--rerun" || cli[0] == "--resume")) {
+            if (cli.size() < 2) fail("usage: ./train_gpt " + cli[0] + (cli[0] == "--rerun" ? " LOG" : " CHECKPOINT") + " [flags]");
+            LoggedRun run;
+            if (cli[0] == "--rerun") {
+                const LogParts lp = split_log(cli[1]);
+                run = parse_logged_configuration(lp.configuration, cli[1], lp.configuration_line);
+                if (lp.train_gpt != embedded_train_gpt() || lp.triton_kernels != embedded_triton_kernels())
+                    fail(cli[1] + " ran other sources than this binary's (./train_gpt --diff-logs shows which): build its "
+                         "code to rerun it");
+                check_logged_configuration(lp.configuration, cli[1], lp.configuration_line, run);
+                if (lp.gemm_plan.empty()) fail(cli[1] + " has no GEMM plan (the run ended before its warmup did)");
+                given_plan = lp.gemm_plan;
+            } else {
+                resume_path = cli[1];
+                resume_header = read_checkpoint_header(resume_path);
+                std::map<std::string, std::string> texts = read_checkpoint_texts(resume_path, resume_header);
+                run = parse_logged_configuration(texts.at("config"), resume_path + " (its configuration)", 1);
+                given_plan = texts.at("gemm_plan");
+                if (resume_header.world_size != world_size)
+                    fail(strprintf("%s was written at world size %d; run it on %d ranks", resume_path.c_str(),
+                                   resume_header.world_size, resume_header.world_size));
+                if (resume_header.source_hash != hex64(hash_bytes(source_block().data(), source_block().size())) &&
+                    dist.rank == 0)
+                    printf("note: %s was written by other sources than this binary's\n", resume_path.c_str());
+            }
+            if (run.world_size != world_size)
+                fail(strprintf("%s ran at world size %d; this run has %d ranks", cli[1].c_str(), run.world_size, world_size));
+            args = run.args;
+            if (!dp) data_path = run.data_path;
+            flags.erase(flags.begin(), flags.begin() + 2);
+        }
+        parse_args(args, flags);
+        validate_args(args, world_size);
+        for (const std::string& files : {args.train_files, args.val_files}) {
+            try {
+                list_files(join_data_path(data_path, files));
+            } catch (const TrainerError& e) {
+                fail(std::string(e.what()) + " (DATA_PATH=" + data_path + "; the FineWeb shards: python3 "
+                     "data/cached_fineweb10B.py 8; or point --train_files / --val_files / DATA_PATH at your shards)");
+            }
+        }
+        int gpus = 0;
+        const cudaError_t e = cudaGetDeviceCount(&gpus);
+        if (e != cudaSuccess || gpus == 0)
+            fail(strprintf("no usable NVIDIA GPU: %s (the trainer needs a Hopper GPU and its driver)",
+                           e != cudaSuccess ? cudaGetErrorString(e) : "none found"));
+    } catch (const TrainerError& e) {
+        setup_error = e.what();
+    }
+    int failed = !setup_error.empty(), any_failed = 0, first_failed = world_size;
+    MPI_CHECK(MPI_Allreduce(&failed, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
+    int me = failed ? dist.rank : world_size;
+    MPI_CHECK(MPI_Allreduce(&me, &first_failed, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+    if (any_failed) {
+        if (dist.rank == first_failed) fprintf(stderr, "error: %s\n", setup_error.c_str());
+        MPI_CHECK(MPI_Finalize());
+        return 1;
+    }
     init_devices(dist);
-    open_log(args, dist, data_path, argc, argv);
+    const std::string configuration = open_log(args, dist, data_path, argc, argv);
 
     // The model's parameters from the seed, the model, the optimizer, the training manager
     ParamStore params(world_size, args.seed);
@@ -3156,6 +3892,15 @@ static int trainer_main(int argc, char** argv) {
     const int64_t eval_local = args.val_batch_size / 8, max_local = std::max(capacity, eval_local);
     const int max_cu = (int)next_multiple_of_n(max_local / 300, 128);
     Gemms gemms(args.gemm_autotune);
+    const std::string plan_for = gemm_plan_device();
+    if (!given_plan.empty()) {  // the logged plan, on the machine it was made for
+        const size_t nl = given_plan.find('\n');
+        const std::string first = given_plan.substr(0, nl);
+        if (first != plan_for)
+            fail("the GEMM plan was made for another GPU or library: '" + first + "'; this machine: '" + plan_for +
+                 "' (run with flags instead of --rerun/--resume to tune again)");
+        gemms.set_plan(nl == std::string::npos ? "" : given_plan.substr(nl + 1));
+    }
     Model model(params, gemms, args, (int)capacity, (int)eval_local, max_cu);
     NorMuonAndAdam optimizer(params, gemms, args, world_size, dist.rank, dist.comm);
     params.save_initial_state();  // restored after the warmup
@@ -3190,22 +3935,51 @@ static int trainer_main(int argc, char** argv) {
             training_manager.train_step(step, *warmup_loader);
         }
     }
-    print0(gemms.tuning_report(), true);
+    // the GEMM plan from here on, in the log (a rerun or a resumed run follows it)
+    gemms.freeze();
+    const std::string gemm_plan = given_plan.empty() ? plan_for + "\n" + gemms.plan_text() : given_plan;
+    print0(given_plan.empty() ? gemms.tuning_report() : "GEMM plan given: no tuning", true);
+    if (gemms.unplanned_shapes() > 0)
+        print0(strprintf("note: %d GEMM shapes are not in the given plan (other flags?): the heuristic's first choice",
+                         gemms.unplanned_shapes()), true);
+    print0("# gemm plan\n" + gemm_plan + "# end gemm plan");
     peak_mib();
     print0("resetting the model", true);
     params.load_initial_state(stream);
     training_manager.reset();
     CUDA_CHECK(cudaStreamSynchronize(stream));
 
-    // Training and validation (the record's loop; the clock stops for validation)
+    // Training and validation (the record's loop; the clock stops for validation and checkpoints)
     LoopProfiler profiler;
     auto loader = train_loader();
     const int64_t train_steps = args.num_iterations();
-    double training_time_ms = 0;
+    RunState rs;
+    rs.configuration = configuration, rs.gemm_plan = gemm_plan;
+    std::string last_checkpoint;
+    if (!resume_path.empty()) {
+        const RunState from = load_checkpoint(resume_path, resume_header, params, optimizer, training_manager, *loader,
+                                              dist.rank, world_size);
+        rs.steps_done = from.steps_done, rs.training_time_ms = from.training_time_ms;
+        last_checkpoint = resume_path;
+        print0(strprintf("resumed from %s: %lld steps done", resume_path.c_str(), (long long)rs.steps_done), true);
+        if (rs.steps_done > train_steps) fail("the checkpoint is past the end of this schedule");
+    }
+    signal(SIGINT, on_stop_signal);
+    signal(SIGTERM, on_stop_signal);
+    double training_time_ms = rs.training_time_ms;
+    const int64_t first_step = rs.steps_done;
     CUDA_CHECK(cudaDeviceSynchronize());
     auto t0 = std::chrono::steady_clock::now();
     auto elapsed_ms = [&] { return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(); };
-    for (int64_t step = 0; step <= train_steps; ++step) {
+    auto checkpoint = [&](int64_t steps_done) {  // off the clock
+        CUDA_CHECK(cudaDeviceSynchronize());
+        training_time_ms += elapsed_ms();
+        rs.steps_done = steps_done, rs.training_time_ms = training_time_ms;
+        last_checkpoint = save_checkpoint(args, params, optimizer, training_manager, *loader, rs, dist.rank, world_size);
+        print0("checkpoint " + last_checkpoint, true);
+        t0 = std::chrono::steady_clock::now();
+    };
+    for (int64_t step = first_step; step <= train_steps; ++step) {
         const bool last_step = step == train_steps;
         training_manager.advance_schedule(step, *loader);
         if (last_step || (args.val_loss_every > 0 && step % args.val_loss_every == 0)) {
@@ -3227,18 +4001,38 @@ static int trainer_main(int argc, char** argv) {
             t0 = std::chrono::steady_clock::now();
         }
         if (last_step) {
-            if (dist.rank == 0 && args.save_checkpoint) save_checkpoint(params, args.run_id, step);
+            if (args.save_checkpoint) checkpoint(step);
             break;  // the last step only validates
         }
         const bool profiled = args.profile_steps > 0 && step % args.profile_steps == 0;
         const double step_start = elapsed_ms();
         if (profiled) g_profiler = &profiler, profiler.begin_step(stream);
-        training_manager.train_step(step, *loader);
+        try {
+            training_manager.train_step(step, *loader);
+        } catch (const TrainerError& e) {  // a NaN stops the run: say where, and what can resume it
+            throw TrainerError(strprintf("%s (training step %lld; last checkpoint: %s)", e.what(), (long long)step + 1,
+                                         last_checkpoint.empty() ? "none" : last_checkpoint.c_str()));
+        }
         if (profiled) profiler.end_step(stream, training_manager.phase()), g_profiler = nullptr;
-        else if (args.profile_steps > 0) profiler.add_unprofiled(training_manager.phase(), elapsed_ms() - step_start);
+        const double step_ms = elapsed_ms() - step_start;
+        if (!profiled && args.profile_steps > 0) profiler.add_unprofiled(training_manager.phase(), step_ms);
         const double approx = training_time_ms + elapsed_ms();
-        print0(strprintf("step:%lld/%lld train_time:%.0fms step_avg:%.2fms", (long long)step + 1, (long long)train_steps,
-                         approx, approx / (step + 1)), true);
+        const std::string line = strprintf("step:%lld/%lld train_time:%.0fms step_avg:%.2fms", (long long)step + 1,
+                                           (long long)train_steps, approx, approx / (step + 1));
+        const double per_step = (approx - rs.training_time_ms) / (step + 1 - first_step);
+        print0_console(line, strprintf("%s  %.2fM tok/s, ETA %s", line.c_str(),
+                                       get_bs(args, step) / std::max(step_ms, 1e-3) / 1e3,
+                                       format_duration(per_step * (train_steps - step - 1) / 1e3).c_str()));
+        // every rank finishes this step; then a signal on any rank stops all, after a checkpoint
+        int stop = g_stop_signal, any_stop = 0;
+        MPI_CHECK(MPI_Allreduce(&stop, &any_stop, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
+        if (any_stop || (args.checkpoint_every > 0 && (step + 1) % args.checkpoint_every == 0 && step + 1 < train_steps))
+            checkpoint(step + 1);
+        if (any_stop) {
+            print0(strprintf("stopped by %s after step %lld; continue with: ./train_gpt --resume %s", strsignal(any_stop),
+                             (long long)step + 1, last_checkpoint.c_str()), true);
+            break;
+        }
     }
     if (args.profile_steps > 0) print0(profiler.table(), true);
     print0(strprintf("peak memory in use: %.0f MiB (device total - free at its highest: CUDA context, NCCL and every "

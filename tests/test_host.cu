@@ -768,6 +768,142 @@ static void test_init() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// checkpoints, reruns: the file format and its refusals, the logged configuration read back, the
+// data stream's position
+
+static void test_checkpoint_format() {
+    const std::string dir = make_dir("ckpt"), path = dir + "/c.bin";
+    std::mt19937_64 rng(5);
+    std::string big(1 << 20, '\0');
+    for (char& c : big) c = (char)(rng() & 0xff);
+    const std::vector<std::pair<std::string, std::string>> blobs = {
+        {"config", "a = 1\nb = 2\n"}, {"param/x", big}, {"rank0/data", "file 0 x\n"}, {"odd", std::string(13, 'z')}};
+    write_checkpoint_file(path, 2, 70, "cafe", "beef", blobs);
+    CHECK(access((path + ".tmp").c_str(), F_OK) != 0, "the temporary file is renamed away");
+    const CheckpointHeader h = read_checkpoint_header(path);
+    CHECK(h.world_size == 2 && h.step == 70 && h.config_hash == "cafe" && h.source_hash == "beef" && h.blobs.size() == 4,
+          "header read back");
+    std::map<std::string, BlobSpec> expected = {
+        {"config", {100, true}}, {"param/x", {big.size(), false}}, {"rank0/data", {100, true}}, {"odd", {13, false}}};
+    std::map<std::string, std::string> got = read_checkpoint_blobs(path, h, expected, {}, true);
+    bool same = got.size() == 4;
+    for (const auto& [name, bytes] : blobs) same = same && got[name] == bytes;
+    CHECK(same, "blobs read back byte for byte");
+    CHECK(read_checkpoint_blobs(path, h, expected, {"odd"}, true).size() == 1, "only the wanted blobs are kept");
+    const std::string good = read_file(path);
+    auto with = [&](const std::string& text) {
+        write_file(path, text);
+        return path;
+    };
+    // refusals: each names what is wrong, before any blob is used
+    expect_error("truncated", [&] { read_checkpoint_header(with(good.substr(0, good.size() - 100))); }, {"truncated"});
+    expect_error("not a checkpoint", [&] { read_checkpoint_header(with("hello\n" + good)); }, {"not a train_gpt checkpoint"});
+    std::string v3 = good;
+    v3.replace(v3.find("checkpoint 2"), 12, "checkpoint 3");
+    expect_error("other version", [&] { read_checkpoint_header(with(v3)); }, {"format version 3", "reads version 2"});
+    std::string flipped = good;
+    flipped[good.size() - 500] ^= 1;
+    expect_error("corrupt", [&] {
+        with(flipped);
+        read_checkpoint_blobs(path, read_checkpoint_header(path), expected, {}, true);
+    }, {"checksum"});
+    with(good);
+    auto expect_refused = [&](const char* what, std::map<std::string, BlobSpec> e, std::vector<std::string> needles) {
+        expect_error(what, [&] { read_checkpoint_blobs(path, h, e, {}, true); }, needles);
+    };
+    std::map<std::string, BlobSpec> other = expected;
+    other["param/x"].bytes += 2;
+    expect_refused("other shape", other, {"'param/x' holds 1048576 bytes", "other model shape"});
+    other = expected;
+    other.erase("odd");
+    expect_refused("unknown blob", other, {"'odd'", "does not have"});
+    other = expected;
+    other["rank1/data"] = {100, true};
+    expect_refused("missing blob (other world size)", other, {"lacks 'rank1/data'"});
+    other = expected;
+    other["config"].bytes = 4;
+    expect_refused("text too large", other, {"'config' holds", "at most 4"});
+    // a hostile header: sizes far past the file are refused by the size check, never allocated
+    std::string hostile = good;
+    hostile.replace(hostile.find("blob param/x 1048576"), 20, "blob param/x 99999999999");
+    expect_error("hostile size", [&] { read_checkpoint_header(with(hostile)); }, {"the header says"});
+    std::string huge = good;
+    huge.replace(huge.find("blob param/x 1048576"), 20, "blob param/x 1099511627777000");
+    expect_error("size beyond the limit", [&] { read_checkpoint_header(with(huge)); }, {"not a size up to"});
+    std::string junk = good;
+    junk.replace(junk.find("step 70"), 7, "stop 70");
+    expect_error("unknown header line", [&] { read_checkpoint_header(with(junk)); }, {"header line 3 is unknown"});
+    expect_error("unwritable", [&] { write_checkpoint_file(dir + "/no/such/dir/c.bin", 1, 1, "a", "b", blobs); },
+                 {"cannot write", "c.bin.tmp"});
+    CHECK(access((dir + "/no/such/dir/c.bin.tmp").c_str(), F_OK) != 0, "no temporary file left behind");
+}
+
+static void test_logged_configuration() {
+    Hyperparameters h;
+    parse_args(h, {"--val_tokens", "2097152", "--ws_schedule", "2,4,8", "--cycle_data", "--run_id", "r1", "--seed", "9"});
+    const std::string text = configuration_text(h, 2, "/data", "./train_gpt --seed 9");
+    const std::string block = text.substr(16, text.size() - 16 - 20);  // without the marker lines
+    LoggedRun run = parse_logged_configuration(block, "L", 10);
+    CHECK(run.world_size == 2 && run.data_path == "/data" && run.args.seed == 9 && run.args.cycle_data &&
+              run.args.ws_schedule == std::vector<int64_t>({2, 4, 8}) && run.args.run_id.empty(),
+          "a logged configuration reads back (not its run id)");
+    check_logged_configuration(block, "L", 10, run);  // as logged: accepted
+    ++g_passed;
+    auto edited = [&](const std::string& from, const std::string& to) {
+        std::string b = block;
+        b.replace(b.find(from), from.size(), to);
+        return b;
+    };
+    expect_error("edited derived line", [&] {
+        std::string b = edited("split_step = ", "split_step = 1");
+        LoggedRun r = parse_logged_configuration(b, "L", 10);
+        check_logged_configuration(b, "L", 10, r);
+    }, {"L line", "split_step = 1", "edited log"});
+    const int seed_line = 10 + (int)std::count(block.begin(), block.begin() + block.find("seed = "), '\n');
+    expect_error("bad value", [&] { parse_logged_configuration(edited("seed = 9", "seed = nine"), "L", 10); },
+                 {strprintf("L line %d", seed_line), "--seed"});
+    expect_error("not key = value", [&] { parse_logged_configuration(edited("seed = 9", "seed: 9"), "L", 10); },
+                 {strprintf("L line %d is not 'key = value'", seed_line)});
+    expect_error("missing flag", [&] { parse_logged_configuration(edited("seed = 9\n", ""), "L", 10); }, {"no 'seed'"});
+    expect_error("twice", [&] { parse_logged_configuration(block + "seed = 3\n", "L", 10); }, {"'seed' appears twice"});
+}
+
+static void test_data_position() {
+    std::mt19937_64 rng(77);
+    const std::string d = make_dir("position");
+    for (int i = 0; i < 3; ++i)
+        write_shard(strprintf("%s/p_%d.bin", d.c_str(), i), make_tokens(rng, 60000 + 10000 * i, 70, i == 0));
+    const std::string pattern = d + "/p_*.bin";
+    LoaderOptions o;
+    o.pinned = false, o.cycle = true, o.quickload_tokens = 20000;
+    for (int world : {1, 4}) {
+        for (int cut : {2, 9, 40}) {  // inside the first shard's quick scan, after it, after a shard change and a cycle
+            DistributedDataGenerator a(pattern, {8192, 512, 8 / world}, world - 1, world, o);
+            for (int i = 0; i < cut; ++i) a.next();
+            const std::string pos = a.position();
+            std::string rest_a, rest_b;
+            for (int i = 0; i < 30; ++i) dump_batch(rest_a, a.next());
+            DistributedDataGenerator b(pattern, {4096, 512, 8 / world}, world - 1, world, o);
+            b.seek(pos);
+            for (int i = 0; i < 30; ++i) dump_batch(rest_b, b.next());
+            CHECK(rest_a == rest_b, "world %d: the stream after seek(position()) at micro-batch %d continues exactly", world, cut);
+        }
+    }
+    DistributedDataGenerator g(pattern, {8192, 512, 8}, 0, 1, o);
+    const std::string pos = g.position();
+    expect_error("position from another file list", [&] {
+        std::string p = pos;
+        p.replace(p.find("p_0.bin"), 7, "q_0.bin");
+        g.seek(p);
+    }, {"not in this run's file list"});
+    expect_error("position out of range", [&] {
+        std::string p = pos;
+        p.replace(p.find("bos 0"), 5, "bos 99999999");
+        g.seek(p);
+    }, {"out of range"});
+}
+
+// ---------------------------------------------------------------------------------------------
 // self-logging
 
 static void test_logging() {
@@ -812,9 +948,25 @@ static void test_logging() {
                   out.find("-val_tokens = 10485760") != std::string::npos && out.find("+val_tokens = 2097152") != std::string::npos,
               "--diff-logs of two different runs (exit %d):\n%s", rc, out.c_str());
         rc = run_shell("'" + g_binary + "' --diff-logs '" + la + "' '" + lc + "'", &out);
-        CHECK(rc == 0 && out == "same sources and configuration\n", "--diff-logs of two equal runs (exit %d): %s", rc, out.c_str());
+        CHECK(rc == 0 && out.find("code: same sources\nconfiguration: same") == 0 &&
+                  out.size() >= 31 && out.substr(out.size() - 31) == "same sources and configuration\n",
+              "--diff-logs of two equal runs (exit %d): %s", rc, out.c_str());
         rc = run_shell("'" + g_binary + "' --diff-logs '" + la + "' /nonexistent.txt 2>&1", &out);
-        CHECK(rc == 1 && out.find("cannot open log /nonexistent.txt") != std::string::npos, "--diff-logs of a missing log: %s", out.c_str());
+        CHECK(rc == 2 && out.find("cannot open log /nonexistent.txt") != std::string::npos, "--diff-logs of a missing log: %s", out.c_str());
+        rc = run_shell("'" + g_binary + "' --diff-logs '" + la + "' '" + g_src_dir + "/Makefile' 2>&1", &out);
+        CHECK(rc == 2 && out.find("is not a train_gpt log") != std::string::npos, "--diff-logs of a file that is not a log: %s", out.c_str());
+        // two runs of the same code and configuration but their run ids: the same
+        Hyperparameters h3 = h;
+        h3.run_id = "another-run";
+        const std::string ld = g_tmp + "/d.txt";
+        make_log(ld, src, h3);
+        rc = run_shell("'" + g_binary + "' --diff-logs '" + la + "' '" + ld + "'", &out);
+        CHECK(rc == 0 && out.find("run_id") == std::string::npos, "--diff-logs ignores the run id (exit %d): %s", rc, out.c_str());
+        rc = run_shell("'" + g_binary + "' --diff-logs '" + la + "' '" + lb + "'", &out);
+        CHECK(out.find("code: differs (train_gpt.cu)") != std::string::npos &&
+                  out.find("configuration: 1 keys differ\n  val_tokens: 10485760 -> 2097152") != std::string::npos &&
+                  out.find("0            10.8258        10.8258") != std::string::npos,
+              "--diff-logs summary: %s", out.c_str());
         rc = run_shell("'" + g_binary + "' --val_tokens 2>&1 </dev/null", &out);
         CHECK(rc != 0 && out.find("--val_tokens needs a value") != std::string::npos, "trainer rejects a bad flag: %s", out.c_str());
     }
@@ -914,6 +1066,9 @@ int main(int argc, char** argv) {
                                                          {"step plan", test_step_plan},
                                                          {"layers", test_layer_table},
                                                          {"init", test_init},
+                                                         {"checkpoint", test_checkpoint_format},
+                                                         {"rerun", test_logged_configuration},
+                                                         {"position", test_data_position},
                                                          {"logging", test_logging}};
     for (auto [name, fn] : groups) {
         int p = g_passed, f = g_failed;
