@@ -1,6 +1,6 @@
 # CUDA 13 + NCCL + OpenMPI image that builds the trainer.
 #   docker build -t train_gpt .
-#   docker run --gpus all --ipc=host -v $PWD/data:/workspace/data train_gpt
+#   docker run --gpus all --ipc=host -v $PWD/data:/workspace/data -v $PWD/logs:/workspace/logs train_gpt
 FROM nvidia/cuda:13.0.0-devel-ubuntu24.04
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \

@@ -39,6 +39,8 @@ tests/test_gpu: tests/test_gpu.cu tests/testing.h $(SOURCES)
 
 test: train_gpt tests/test_host
 	./tests/test_host --binary ./train_gpt --python $(PYTHON)
+	$(PYTHON) records/test_records.py
+	bash tests/test_run_sh.sh
 
 tests/test_distributed: tests/test_distributed.cu tests/testing.h $(SOURCES)
 	$(NVCC) $(NVCCFLAGS) -o $@ tests/test_distributed.cu $(LDLIBS)

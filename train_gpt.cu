@@ -802,6 +802,19 @@ class Gemms {
     // After the warmup: a shape first seen later takes the heuristic's first choice, untimed, so a
     // rerun that follows the logged plan makes the same choice.
     void freeze() { frozen_ = true; }
+    // Several ranks: every rank takes rank 0's choices (plan_text lines) for the shapes it has run,
+    // so all ranks run the logged plan.
+    void adopt_plan(const std::string& text) {
+        for (const std::string& line : split(text, '\n')) {
+            const size_t eq = line.find(" = "), paren = line.find(" (", eq == std::string::npos ? 0 : eq);
+            cublasLtMatmulAlgo_t algo;
+            if (line.rfind("gemm ", 0) != 0 || paren == std::string::npos ||
+                !parse_algo_hex(line.substr(eq + 3, paren - eq - 3), algo))
+                continue;
+            for (auto& [key, p] : plans_)
+                if (key_text(key) == line.substr(5, eq - 5)) p.candidates = {algo};
+        }
+    }
     int unplanned_shapes() const { return unplanned_; }
 
     // what tuning found: shapes timed, how many left the heuristic's first choice, and the time one
@@ -3930,14 +3943,26 @@ static int trainer_main(int argc, char** argv) {
         for (int64_t st : training_manager.warmup_steps) list += (list.empty() ? "" : ",") + std::to_string(st);
         print0("warmup steps " + list, true);
         for (int64_t step : training_manager.warmup_steps) {
-            training_manager.advance_schedule(step, *warmup_loader);
-            training_manager.forward_batch(*val_loader(), false);  // the first validation batch suffices
-            training_manager.train_step(step, *warmup_loader);
+            try {
+                training_manager.advance_schedule(step, *warmup_loader);
+                training_manager.forward_batch(*val_loader(), false);  // the first validation batch suffices
+                training_manager.train_step(step, *warmup_loader);
+            } catch (const TrainerError& e) {
+                throw TrainerError(strprintf("%s (in the warmup, at its step %lld)", e.what(), (long long)step));
+            }
         }
     }
-    // the GEMM plan from here on, in the log (a rerun or a resumed run follows it)
+    // the GEMM plan from here on, in the log (a rerun or a resumed run follows it); several ranks
+    // all take rank 0's
     gemms.freeze();
-    const std::string gemm_plan = given_plan.empty() ? plan_for + "\n" + gemms.plan_text() : given_plan;
+    std::string gemm_plan = given_plan.empty() ? plan_for + "\n" + gemms.plan_text() : given_plan;
+    if (world_size > 1) {
+        uint64_t n = gemm_plan.size();
+        MPI_CHECK(MPI_Bcast(&n, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD));
+        gemm_plan.resize(n);
+        MPI_CHECK(MPI_Bcast(gemm_plan.data(), (int)n, MPI_CHAR, 0, MPI_COMM_WORLD));
+        gemms.adopt_plan(gemm_plan);
+    }
     print0(given_plan.empty() ? gemms.tuning_report() : "GEMM plan given: no tuning", true);
     if (gemms.unplanned_shapes() > 0)
         print0(strprintf("note: %d GEMM shapes are not in the given plan (other flags?): the heuristic's first choice",
@@ -3967,6 +3992,7 @@ static int trainer_main(int argc, char** argv) {
     signal(SIGINT, on_stop_signal);
     signal(SIGTERM, on_stop_signal);
     double training_time_ms = rs.training_time_ms;
+    const double clock_at_start = rs.training_time_ms;
     const int64_t first_step = rs.steps_done;
     CUDA_CHECK(cudaDeviceSynchronize());
     auto t0 = std::chrono::steady_clock::now();
@@ -4019,7 +4045,7 @@ static int trainer_main(int argc, char** argv) {
         const double approx = training_time_ms + elapsed_ms();
         const std::string line = strprintf("step:%lld/%lld train_time:%.0fms step_avg:%.2fms", (long long)step + 1,
                                            (long long)train_steps, approx, approx / (step + 1));
-        const double per_step = (approx - rs.training_time_ms) / (step + 1 - first_step);
+        const double per_step = (approx - clock_at_start) / (step + 1 - first_step);
         print0_console(line, strprintf("%s  %.2fM tok/s, ETA %s", line.c_str(),
                                        get_bs(args, step) / std::max(step_ms, 1e-3) / 1e3,
                                        format_duration(per_step * (train_steps - step - 1) / 1e3).c_str()));
