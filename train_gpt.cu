@@ -3714,8 +3714,10 @@ static void on_stop_signal(int sig) {
 static void print_help() {
     Hyperparameters defaults;
     printf("usage: mpirun -np N ./train_gpt [--flag value ...]   (N = 1, 2, 4 or 8; one GPU per rank)\n"
+           "       mpirun -np N ./train_gpt --rerun LOG [flags]  a logged run again (its flags and GEMM plan)\n"
+           "       mpirun -np N ./train_gpt --resume CKPT [flags] continue from a checkpoint\n"
            "       ./train_gpt --print-source                  print the embedded sources\n"
-           "       ./train_gpt --diff-logs A.txt B.txt          diff the sources and configuration of two logs\n"
+           "       ./train_gpt --diff-logs A.txt B.txt          compare two logs: summary, then diffs (exit 0/1/2)\n"
            "Data files are found at $DATA_PATH/<train_files|val_files> (DATA_PATH defaults to '.').\n\nflags (default):\n");
     for (const Option& o : options_of(defaults))
         printf("  --%-28s %s (%s)\n", o.name, o.help, format_option(o).c_str());
