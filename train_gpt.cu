@@ -100,6 +100,8 @@ extern char** environ;
     X(I64, val_loss_every, 250, "validate every N steps (0: only at the end)")                                      \
     X(BOOL, save_checkpoint, false, "write a checkpoint at the end (logs/<run_id>/state_stepNNNNNN.bin)")          \
     X(I64, checkpoint_every, 0, "write a checkpoint every N steps (0: never; SIGINT/SIGTERM always writes one)")  \
+    X(BOOL, early_reduce, false,                                                                                    \
+      "several GPUs: start the reduces inside the last micro-step's backward (backward_reduce_plan in the log)")    \
     X(I64, profile_steps, 0, "time the parts of every Nth training step, by phase; a table at the end (0: off)")   \
     X(BOOL, gemm_autotune, true,                                                                                    \
       "time each GEMM shape's cuBLASLt candidates on its first call (false: the heuristic's first choice)")         \
@@ -1265,6 +1267,61 @@ static std::string plan_text(const std::vector<PlanStep>& plan) {
     return s;
 }
 
+// Reduces that start inside the last micro-step's backward (--early_reduce; several ranks), as the
+// October-31 record showed with hooks and as C++ can say explicitly: after layer i's backward, its
+// MLP and attention bank matrices are final and go to the ranks that own them (ncclReduce to the
+// owner of each run of matrices: the shards the optimizer updates); the untied lm_head's
+// reduce-scatter starts right after the head's backward (inside the forward). The rest keeps
+// step_plan's phase 1, after the whole backward. Layers finish from the last to the first.
+enum class ReducePoint { AfterHead, AfterLayer };
+struct BackwardReduce {
+    ReducePoint when;
+    int layer;          // AfterLayer: whose backward
+    std::string label;  // the parameter
+    int64_t first = 0, count = 0;  // NorMuon banks: matrices [first, first + count) of the reshape; 0: all
+    int root = -1;                 // the rank that owns those matrices (-1: the whole parameter's collective)
+};
+
+static std::vector<BackwardReduce> backward_reduce_plan(const std::vector<ParamConfig>& cfgs, int world_size, bool do_adam,
+                                                        bool split) {
+    std::vector<BackwardReduce> plan;
+    if (world_size == 1) return plan;
+    auto cfg = [&](const std::string& label) -> const ParamConfig& {
+        for (const ParamConfig& c : cfgs)
+            if (c.label == label) return c;
+        fail("backward reduce plan: no parameter '" + label + "'");
+    };
+    if (do_adam && split) plan.push_back({ReducePoint::AfterHead, -1, "lm_head"});
+    // matrices [first, first + n) of a bank, in runs of one owner each
+    auto slices = [&](int layer, const char* label, int64_t first, int64_t n) {
+        const int64_t chunk = cfg(label).chunk_size;
+        for (int64_t m = first; m < first + n;) {
+            const int64_t owner = m / chunk, end = std::min(first + n, (owner + 1) * chunk);
+            plan.push_back({ReducePoint::AfterLayer, layer, label, m, end - m, (int)owner});
+            m = end;
+        }
+    };
+    for (int i = NUM_LAYERS - 1; i >= 0; --i) {
+        slices(i, "mlp", 2 * i, 2);
+        if (has_attention(i)) slices(i, "attn", 4 * attn_slot(i), 4);
+    }
+    return plan;
+}
+
+static std::string backward_reduce_text(const std::vector<BackwardReduce>& plan) {
+    std::string s;
+    for (size_t i = 0; i < plan.size(); ++i) {
+        const BackwardReduce& r = plan[i];
+        if (i == 0 || r.when != plan[i - 1].when || r.layer != plan[i - 1].layer)
+            s += (s.empty() ? "" : " ") + (r.when == ReducePoint::AfterHead ? std::string("after_head:")
+                                                                           : strprintf("after_layer(%d):", r.layer));
+        s += r.root < 0 ? " reduce_scatter(" + r.label + ")"
+                        : strprintf(" reduce(%s[%lld:%lld]->%d)", r.label.c_str(), (long long)r.first,
+                                    (long long)(r.first + r.count), r.root);
+    }
+    return s.empty() ? "none" : s;
+}
+
 // The parameters on the GPU: one allocation per bank, and a gradient of the same type and layout.
 struct Param {
     ParamShape shape;
@@ -1434,6 +1491,7 @@ class NorMuonAndAdam {
         if ((world_size > 1) != (comm != nullptr))
             fail(strprintf("optimizer: world size %d needs %s NCCL communicator", world_size, comm ? "no" : "an"));
         configs_ = build_param_configs(a, model_params(world_size), world_size, rank);
+        world_size_ = world_size;
         for (const ParamConfig& c : configs_) {
             State st;
             st.cfg = c;
@@ -1482,6 +1540,8 @@ class NorMuonAndAdam {
         State& em = state("embed");
         if (comm_) after(s, comm_stream_);  // the gradients are final
         for (const PlanStep& p : step_plan(configs_, do_adam, split_)) {
+            const bool reduce = p.op == PlanOp::AllReduce || p.op == PlanOp::ReduceScatter;
+            if (reduce && reduced_early_.count(p.label)) continue;  // started inside the backward
             switch (p.op) {
                 case PlanOp::AddTransposed:  // tied: embed's gradient joins lm_head's before its reduce
                     timed(transpose_t_, s, [&] {
@@ -1535,9 +1595,36 @@ class NorMuonAndAdam {
             }
         }
         if (comm_) timed(wait_t_, s, [&] { after(comm_stream_, s); });  // every gather is in before the next forward
+        early_plan_.clear(), reduced_early_.clear();
         // gradients start over: NorMuon's every step, Adam's after the steps that use them
         for (State& st : states_)
             if (st.cfg.optim == Optim::NorMuon || do_adam) CUDA_CHECK(cudaMemsetAsync(st.p->grad, 0, st.p->bytes(), s));
+    }
+
+    // The early reduces of this step (backward_reduce_plan; several ranks): begin_backward_reduces
+    // before the step's last micro-step, then backward_reduces(point, layer) where the model's last
+    // backward reaches each point; step() then skips those reduces and waits for them.
+    void begin_backward_reduces(bool do_adam) {
+        early_plan_ = comm_ ? backward_reduce_plan(configs_, (int)world_size_, do_adam, split_) : std::vector<BackwardReduce>{};
+        reduced_early_.clear();
+    }
+    void backward_reduces(ReducePoint when, int layer, cudaStream_t s) {
+        bool started = false;
+        for (const BackwardReduce& r : early_plan_) {
+            if (r.when != when || r.layer != layer) continue;
+            if (!started) after(s, comm_stream_), started = true;  // this point's gradients are final
+            State& st = state(r.label);
+            if (r.root < 0) {
+                NCCL_CHECK(ncclReduceScatter(st.p->grad, chunk(st, st.p->grad), st.cfg.chunk_numel(), nccl_type(st), ncclAvg,
+                                             comm_, comm_stream_));
+            } else {  // matrices of one owner: to the owner, in place
+                const int64_t per = st.cfg.chunk_numel() / st.cfg.chunk_size;
+                void* g = (char*)st.p->grad + r.first * per * (st.p->shape.fp32 ? 4 : 2);
+                NCCL_CHECK(ncclReduce(g, g, r.count * per, nccl_type(st), ncclAvg, r.root, comm_, comm_stream_));
+            }
+            CUDA_CHECK(cudaEventRecord(st.reduced, comm_stream_));  // the last piece's record is the one waited for
+            reduced_early_.insert(r.label);
+        }
     }
 
     // the untie at the split step: embed's Adam state is lm_head's, transposed;
@@ -1741,6 +1828,9 @@ class NorMuonAndAdam {
     __nv_bfloat16* v_ = nullptr;
     bool split_ = false;
     bool profiling_ = false;
+    int64_t world_size_ = 1;
+    std::vector<BackwardReduce> early_plan_;  // this step's reduces inside the backward
+    std::set<std::string> reduced_early_;     // the parameters they reduce (step() skips their reduce)
     StreamTimer normuon_t_, adam_t_, transpose_t_, wait_t_, comm_t_;
 };
 
@@ -2054,6 +2144,7 @@ class Model {
                 sk.dz = dz_, sk.dlam_rows = dlam_rows_;
                 CUDA_CHECK(gate_backward(GateKind::Skip, sk, dx0_, D, bf(p_["skip_gate"].grad), gscalars + SCALAR_SKIP, s));
             }
+            if (grad_ready_) grad_ready_(ReducePoint::AfterLayer, i, s);  // layer i's bank slices are final
         }
         // layer 0's input is x0
         CUDA_CHECK(combine(dx0_, dx0_, dx_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
@@ -2071,6 +2162,10 @@ class Model {
             grads[1 + k] = dve_[k], table_grads[1 + k] = bf(p_["ve" + std::to_string(k)].grad);
         CUDA_CHECK(embed_bwd_->accumulate(1 + NUM_VALUE_EMBEDS, grads, D, table_grads, s));
     }
+
+    // Called where gradients become final (after the head's backward, after each layer's), while
+    // set: the trainer starts their reduces there in a step's last micro-step.
+    void set_grad_ready(std::function<void(ReducePoint, int, cudaStream_t)> fn) { grad_ready_ = std::move(fn); }
 
     // norm(x) before the lm_head, from the last forward (T x 768)
     const __nv_bfloat16* final_hidden() const { return xn_; }
@@ -2272,6 +2367,7 @@ class Model {
                        scales_[0], scales_[2], false, 1.f);
         }
         if (training) CUDA_CHECK(add_to_bf16(bf(p_["lm_head"].grad), lm_grad_, V * D, s));
+        if (training && grad_ready_) grad_ready_(ReducePoint::AfterHead, -1, s);  // lm_head's gradient is final
         profile_mark(Part::Loss, s);
         CUDA_CHECK(sum_floats(losses_, T, loss_, training ? fa_.loss_scale : 1.f / T, s));
         float loss;
@@ -2308,6 +2404,7 @@ class Model {
         *dxn_head_, *demb_, *dve_[NUM_VALUE_EMBEDS];
     float *dw_, *delta_, *dz_, *dlam_rows_, *partial_, *gate_partial_;
     std::unique_ptr<EmbeddingBackward> embed_bwd_;
+    std::function<void(ReducePoint, int, cudaStream_t)> grad_ready_;
 };
 
 // -----------------------------------------------------------------------------
@@ -2908,8 +3005,14 @@ class TrainingManager {
     // optimizers.
     void train_step(int64_t step, DistributedDataGenerator& train_loader) {
         for (int micro = 0; micro < grad_accum_steps_; ++micro) {
+            const bool last = micro + 1 == grad_accum_steps_;
+            if (last && args_.early_reduce) {  // the reduces start where the gradients become final
+                optimizer_.begin_backward_reduces(is_adam_step(step));
+                model_.set_grad_ready([this](ReducePoint p, int layer, cudaStream_t s) { optimizer_.backward_reduces(p, layer, s); });
+            }
             forward_batch(train_loader, true);
             model_.backward(stream_);
+            model_.set_grad_ready(nullptr);
         }
         step_optimizers(step);
     }
@@ -3321,6 +3424,12 @@ static std::string configuration_text(Hyperparameters& a, int world_size, const 
                 s += strprintf("step_plan[%s,%s] = ", adam ? "adam" : "no-adam", split ? "untied" : "tied") +
                      plan_text(step_plan(cfgs, adam, split)) + "\n";
     }
+    // the reduces that start inside the backward (several ranks, --early_reduce)
+    for (bool adam : {true, false})
+        for (bool split : {false, true})
+            s += strprintf("backward_reduce_plan[%s,%s] = ", adam ? "adam" : "no-adam", split ? "untied" : "tied") +
+                 (a.early_reduce ? backward_reduce_text(backward_reduce_plan(cfgs, world_size, adam, split)) : std::string("off")) +
+                 "\n";
     // the optimizer's view of every parameter (rank 0's shard)
     auto dims = [](const std::vector<int64_t>& v) {
         std::string r;

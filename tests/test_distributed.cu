@@ -1,11 +1,12 @@
 // The optimizer's NCCL communication on several GPUs: `mpirun -np 2 ./tests/test_distributed`.
 // Four training steps (NorMuon only, Adam + NorMuon with the untie after it, both again after the
-// untie) from the same random weights on the same eight micro-batches, three ways:
+// untie) from the same random weights on the same eight micro-batches, four ways:
 //   ref    world size 1, the eight micro-batches accumulated in order
 //   floor  world size 1, the same micro-batches in reverse order: a run that differs from ref only
 //          by rounding, so its distance from ref is the noise a correct split may show
 //   split  world size N over NCCL, rank r taking micro-batches r*8/N .. (r+1)*8/N - 1
-// Every parameter of split must be as close to ref as floor is (split <= 1.5 x floor + 2e-3, of
+//   early  split with the reduces started inside the last micro-step's backward (--early_reduce)
+// Every parameter of split and early must be as close to ref as floor is (split <= 1.5 x floor + 2e-3, of
 // the weight change, floor at least the median over the parameters), and bit-identical on every
 // rank (the all-gathers). Without enough GPUs (one
 // per rank) it skips with a message.
@@ -77,8 +78,9 @@ static Weights read_weights(ParamStore& params) {
 }
 
 // four steps at `world` ranks from the random weights; this rank takes its share of `order`
+// early: the reduces start inside the last micro-step's backward (--early_reduce's path)
 static Weights train(int world, int rank, ncclComm_t comm, const std::vector<DocumentBatch>& batches,
-                     const std::vector<int>& order, Weights* initial = nullptr) {
+                     const std::vector<int>& order, Weights* initial = nullptr, bool early = false) {
     Hyperparameters args;
     ParamStore params(world, 0);
     randomize(params, 81);
@@ -102,11 +104,16 @@ static Weights train(int world, int rank, ncclComm_t comm, const std::vector<Doc
     const Step steps[] = {{0, 1.0, 0.85, false}, {1, 1.0, 0.88, true}, {2, 0.9, 0.9, false}, {3, 0.8, 0.92, false}};
     for (const Step& st : steps) {
         for (int m = rank * per_rank; m < (rank + 1) * per_rank; ++m) {
+            if (early && m + 1 == (rank + 1) * per_rank) {
+                opt.begin_backward_reduces(is_adam_step(st.step));
+                model.set_grad_ready([&](ReducePoint p, int layer, cudaStream_t st_) { opt.backward_reduces(p, layer, st_); });
+            }
             const DocumentBatch& b = batches[order[m]];
             CUDA_CHECK(cudaMemcpyAsync(tokens, b.tokens.data(), b.tokens.size() * 4, cudaMemcpyHostToDevice, s));
             CUDA_CHECK(cudaMemcpyAsync(cu, b.cu.data(), b.cu.size() * 4, cudaMemcpyHostToDevice, s));
             model.forward(tokens, cu, CU, T, fa, s);
             model.backward(s);
+            model.set_grad_ready(nullptr);
         }
         opt.step(st.lr, st.momentum, is_adam_step(st.step), s);
         if (st.untie) opt.copy_lm_state_to_embed(s);
@@ -156,16 +163,17 @@ int main(int argc, char** argv) {
         const Weights ref = train(1, 0, nullptr, batches, order, &init);
         const Weights floor = train(1, 0, nullptr, batches, reversed);
         const Weights split = train(world, rank, comm, batches, order);
+        const Weights early = train(world, rank, comm, batches, order, nullptr, true);
         // one reordered run is one draw of the noise: for a small tensor (a gate bank, 360 values
         // under Adam) it varies 2x from run to run, so each floor is at least the median floor
-        struct Err { double split, floor, moved; };
+        struct Err { double split, early, floor, moved; };
         std::map<std::string, Err> errs;
         std::vector<double> floors;
         for (const auto& [label, r] : ref) {
             const std::vector<float>& sp = split.at(label);
             const size_t n = std::min(r.size(), sp.size());  // the scalars' padding depends on the world size
             const double moved = distance(r, init.at(label), n);
-            errs[label] = {distance(sp, r, n) / std::max(moved, 1e-30),
+            errs[label] = {distance(sp, r, n) / std::max(moved, 1e-30), distance(early.at(label), r, n) / std::max(moved, 1e-30),
                            distance(floor.at(label), r, n) / std::max(moved, 1e-30), moved};
             floors.push_back(errs[label].floor);
         }
@@ -177,15 +185,18 @@ int main(int argc, char** argv) {
         for (const auto& [label, e] : errs) {
             const double limit = 1.5 * std::max(e.floor, median) + 2e-3;
             if (rank == 0)
-                printf("  %-15s split %.1e  floor %.1e  (moved %.3g)%s\n", label.c_str(), e.split, e.floor, e.moved,
-                       e.split <= limit ? "" : "  FAIL");
-            CHECK(e.moved > 0 && e.split <= limit,
-                  "%s: world size %d differs from world size 1 by %.2e (order noise %.2e, median %.2e)", label.c_str(),
-                  world, e.split, e.floor, median);
+                printf("  %-15s split %.1e  early reduces %.1e  floor %.1e  (moved %.3g)%s\n", label.c_str(), e.split,
+                       e.early, e.floor, e.moved, e.split <= limit && e.early <= limit ? "" : "  FAIL");
+            CHECK(e.moved > 0 && e.split <= limit && e.early <= limit,
+                  "%s: world size %d differs from world size 1 by %.2e, with early reduces %.2e (order noise %.2e, "
+                  "median %.2e)", label.c_str(), world, e.split, e.early, e.floor, median);
             // every rank holds the same weights after the all-gathers
-            uint64_t h = fnv1a(split.at(label)), h0 = h;
-            MPI_CHECK(MPI_Bcast(&h0, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD));
-            CHECK(h == h0, "%s: rank %d's weights differ from rank 0's", label.c_str(), rank);
+            for (const Weights* w : {&split, &early}) {
+                uint64_t h = fnv1a(w->at(label)), h0 = h;
+                MPI_CHECK(MPI_Bcast(&h0, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD));
+                CHECK(h == h0, "%s: rank %d's weights differ from rank 0's%s", label.c_str(), rank,
+                      w == &early ? " (early reduces)" : "");
+            }
         }
     } catch (const std::exception& ex) {
         ++g_failed;

@@ -711,6 +711,59 @@ static void test_layer_table() {
         CHECK(sc.find(line) != std::string::npos, "configuration lacks:\n%s\nin:\n%s", line, sc.c_str());
 }
 
+// the reduces that start inside the backward: every bank matrix of every layer once, to its owner,
+// layers from the last to the first, the untied lm_head after the head on Adam steps
+static void test_backward_reduce_plan() {
+    Hyperparameters a;
+    CHECK(backward_reduce_plan(build_param_configs(a, model_params(1), 1, 0), 1, true, true).empty(),
+          "world size 1: no reduces (no NCCL at all)");
+    for (int world : {2, 4, 8})
+        for (bool adam : {false, true})
+            for (bool split : {false, true}) {
+                const std::vector<ParamConfig> cfgs = build_param_configs(a, model_params(world), world, 0);
+                const std::vector<BackwardReduce> plan = backward_reduce_plan(cfgs, world, adam, split);
+                std::map<std::string, std::vector<int>> seen = {{"attn", std::vector<int>(40, 0)}, {"mlp", std::vector<int>(24, 0)}};
+                bool owners = true, order = true, head = false;
+                int last_layer = NUM_LAYERS;
+                for (size_t i = 0; i < plan.size(); ++i) {
+                    const BackwardReduce& r = plan[i];
+                    if (r.when == ReducePoint::AfterHead) {
+                        head = r.label == "lm_head" && r.root < 0 && i == 0;
+                        continue;
+                    }
+                    order &= r.layer <= last_layer;
+                    last_layer = r.layer;
+                    const int64_t chunk = (r.label == "attn" ? 40 : 24) / world;
+                    for (int64_t m = r.first; m < r.first + r.count; ++m) {
+                        seen[r.label][m] += 1;
+                        owners &= m / chunk == r.root;
+                    }
+                    // the layer's own matrices
+                    owners &= r.label == "mlp" ? r.first >= 2 * r.layer && r.first + r.count <= 2 * r.layer + 2
+                                               : r.first >= 4 * attn_slot(r.layer) && r.first + r.count <= 4 * attn_slot(r.layer) + 4;
+                }
+                bool once = true;
+                for (int m = 0; m < 40; ++m) once &= seen["attn"][m] == 1;
+                for (int m = 0; m < 24; ++m) once &= seen["mlp"][m] == (m < 2 * NUM_LAYERS ? 1 : 0);  // not the padding slot
+                CHECK(once && owners && order && head == (adam && split),
+                      "world %d %s %s: once %d owners %d order %d head %d", world, adam ? "adam" : "no-adam",
+                      split ? "untied" : "tied", (int)once, (int)owners, (int)order, (int)head);
+            }
+    const std::vector<ParamConfig> w8 = build_param_configs(a, model_params(8), 8, 0);
+    const std::string text = backward_reduce_text(backward_reduce_plan(w8, 8, true, true));
+    CHECK(text.rfind("after_head: reduce_scatter(lm_head) after_layer(10): reduce(mlp[20:21]->6) reduce(mlp[21:22]->7) "
+                     "reduce(attn[36:40]->7) after_layer(9):", 0) == 0,
+          "the plan as the log shows it: %s", text.c_str());
+    a.early_reduce = true;
+    const std::string cfg = configuration_text(a, 2, ".", "");
+    CHECK(cfg.find("backward_reduce_plan[no-adam,tied] = after_layer(10): reduce(mlp[20:22]->1) reduce(attn[36:40]->1)") !=
+              std::string::npos,
+          "the plans in the configuration block");
+    a.early_reduce = false;
+    CHECK(configuration_text(a, 2, ".", "").find("backward_reduce_plan[adam,untied] = off\n") != std::string::npos,
+          "off unless --early_reduce");
+}
+
 // ---------------------------------------------------------------------------------------------
 // parameter initialisation
 
@@ -1064,6 +1117,7 @@ int main(int argc, char** argv) {
                                                          {"bad input", test_bad_input},
                                                          {"sharding", test_sharding},
                                                          {"step plan", test_step_plan},
+                                                         {"early plan", test_backward_reduce_plan},
                                                          {"layers", test_layer_table},
                                                          {"init", test_init},
                                                          {"checkpoint", test_checkpoint_format},
