@@ -46,8 +46,9 @@ tests/test_distributed: tests/test_distributed.cu tests/testing.h $(SOURCES)
 	$(NVCC) $(NVCCFLAGS) -o $@ tests/test_distributed.cu $(LDLIBS)
 
 # the distributed test runs on 2 GPUs where there are 2 (it skips with a message otherwise)
-test-gpu: tests/test_gpu tests/test_distributed
+test-gpu: tests/test_gpu tests/test_distributed train_gpt
 	./tests/test_gpu
+	bash tests/test_resume.sh
 	if [ "$$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then mpirun -np 2 --bind-to none ./tests/test_distributed; \
 	else ./tests/test_distributed; fi
 

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Runs that repeat and resume, on a GPU (make test-gpu): a short run with checkpoints; --rerun of its
+# log (the same validation losses, bit for bit); the rerun stopped by SIGTERM after step 10 and
+# resumed from its checkpoint (the uninterrupted run's losses); the NaN stop; --diff-logs of real
+# logs. Needs a GPU and the textmix shards (TEST_DATA, default data/textmix); skips without them.
+#   bash tests/test_resume.sh            last line "N passed, N failed"
+set -uo pipefail
+cd "$(dirname "$0")/.."
+data=${TEST_DATA:-data/textmix}
+if ! nvidia-smi -L >/dev/null 2>&1 || ! compgen -G "$data/textmix_train_*.bin" >/dev/null; then
+    echo "SKIP: test_resume needs a GPU and $data/textmix_{train,val}_*.bin"
+    echo "0 passed, 0 failed"
+    exit 0
+fi
+passed=0 failed=0
+check() {
+    local what=$1
+    shift
+    if "$@"; then passed=$((passed + 1)); echo "ok $what"; else failed=$((failed + 1)); echo "FAIL $what"; fi
+}
+vals() { grep -E '^step:[0-9]+/[0-9]+ val_loss' "$1" | sed 's/ train_time.*//'; }
+id=test_resume_$$
+set -f
+flags=(--train_files "$PWD/$data/textmix_train_*.bin" --val_files "$PWD/$data/textmix_val_*.bin" --val_tokens 2097152
+       --cycle_data --num_scheduled_iterations 21 --num_extension_iterations 0 --val_loss_every 7 --checkpoint_every 7)
+set +f
+out=$(mktemp -d)
+trap 'rm -rf "$out" logs/${id}_* logs/${id}_*.txt' EXIT
+
+./train_gpt "${flags[@]}" --run_id ${id}_a > "$out/a" 2>&1
+check "a run with checkpoints every 7 steps" [ $? = 0 ]
+check "its checkpoints" [ -f logs/${id}_a/state_step000007.bin -a -f logs/${id}_a/state_step000014.bin ]
+check "its GEMM plan in the log" grep -q '^gemm_plan_for = ' logs/${id}_a.txt
+
+./train_gpt --rerun logs/${id}_a.txt --run_id ${id}_b > "$out/b" 2>&1
+check "--rerun of its log" [ $? = 0 ]
+check "--rerun: the same validation losses" [ "$(vals logs/${id}_a.txt)" = "$(vals logs/${id}_b.txt)" ]
+./train_gpt --diff-logs logs/${id}_a.txt logs/${id}_b.txt > "$out/diff" 2>&1
+check "--diff-logs of a run and its rerun: exit 0" [ $? = 0 ]
+
+./train_gpt --rerun logs/${id}_a.txt --run_id ${id}_c > "$out/c" 2>&1 &
+pid=$!
+for _ in $(seq 1 600); do grep -q '^step:10/21 train' "$out/c" && break; sleep 0.1; done
+kill -TERM $pid
+wait $pid
+check "SIGTERM: exit 0" [ $? = 0 ]
+ckpt=$(sed -n 's/.*continue with: .\/train_gpt --resume //p' "$out/c")
+check "SIGTERM: a checkpoint named ($ckpt)" [ -n "$ckpt" -a -f "$ckpt" ]
+./train_gpt --resume "$ckpt" --run_id ${id}_d > "$out/d" 2>&1
+check "--resume" [ $? = 0 ]
+steps=$(sed -n 's/^resumed from .*: \([0-9]*\) steps done$/\1/p' "$out/d")
+after() { vals "$1" | awk -F'[:/ ]' -v s="${steps:-0}" '$2 > s'; }
+check "--resume: the uninterrupted run's losses after step ${steps:-?}" \
+    [ -n "$(after logs/${id}_a.txt)" -a "$(after logs/${id}_a.txt)" = "$(after logs/${id}_d.txt)" ]
+
+./train_gpt "${flags[@]}" --adam_lr 1e6 --run_id ${id}_e > "$out/e" 2>&1
+check "--adam_lr 1e6: stops with an error" [ $? != 0 ]
+check "--adam_lr 1e6: names the layer and the step" grep -qE "NaN or infinity in layer [0-9]+.s output.*step [0-9]+" "$out/e"
+
+./train_gpt --resume logs/${id}_a.txt > "$out/f" 2>&1
+check "--resume of a file that is not a checkpoint: refused" grep -q "not a train_gpt checkpoint" "$out/f"
+head -c 100000 logs/${id}_a/state_step000007.bin > "$out/trunc.bin"
+./train_gpt --resume "$out/trunc.bin" > "$out/g" 2>&1
+check "--resume of a truncated checkpoint: refused" grep -q "truncated" "$out/g"
+
+[ "$failed" = 0 ] || for f in "$out"/?; do echo "--- $f"; tail -5 "$f"; done
+echo "$passed passed, $failed failed"
+[ "$failed" = 0 ]
