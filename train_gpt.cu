@@ -542,6 +542,8 @@ static void validate_args(const Hyperparameters& a, int world_size) {
     if (a.normuon_weight_decay < 0) fail("--normuon_weight_decay must not be negative");
     if (!(a.normuon_beta2 >= 0 && a.normuon_beta2 < 1)) fail("--normuon_beta2 must be in [0, 1)");
     non_negative("val_loss_every", a.val_loss_every);
+    non_negative("checkpoint_every", a.checkpoint_every);
+    non_negative("profile_steps", a.profile_steps);
     if (a.ws_schedule.empty()) fail("--ws_schedule must hold at least one window");
     for (int64_t w : a.ws_schedule) positive("ws_schedule", w);
     positive("ws_final", a.ws_final);
@@ -3990,7 +3992,9 @@ static int trainer_main(int argc, char** argv) {
         const cudaError_t e = cudaGetDeviceCount(&gpus);
         if (e != cudaSuccess || gpus == 0)
             fail(strprintf("no usable NVIDIA GPU: %s (the trainer needs a Hopper GPU and its driver)",
-                           e != cudaSuccess ? cudaGetErrorString(e) : "none found"));
+                           e == cudaErrorInsufficientDriver ? "no NVIDIA driver, or one older than this CUDA runtime"
+                           : e == cudaErrorNoDevice || e == cudaSuccess ? "none found"
+                                                                        : cudaGetErrorString(e)));
     } catch (const TrainerError& e) {
         setup_error = e.what();
     }

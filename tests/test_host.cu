@@ -385,6 +385,8 @@ static void test_config() {
     bad("lr", {"--adam_lr", "0"}, {"--adam_lr must be positive"});
     bad("momentum", {"--momentum_max", "1.0"}, {"--momentum_max"});
     bad("run id", {"--run_id", "../etc"}, {"--run_id"});
+    bad("checkpoint interval", {"--checkpoint_every", "-1"}, {"--checkpoint_every must not be negative"});
+    bad("profile interval", {"--profile_steps", "-2"}, {"--profile_steps must not be negative"});
 
     // the logged configuration reads back to the same configuration
     Hyperparameters h;
