@@ -426,6 +426,15 @@ static std::vector<std::string> split(const std::string& s, char sep) {
     }
 }
 
+// The words of line i of a state text written as "key value ...": refused (naming `what`) unless
+// the line is there and starts with key.
+static std::vector<std::string> keyed_line(const std::vector<std::string>& lines, size_t i, const char* key,
+                                           const char* what) {
+    std::vector<std::string> w = i < lines.size() ? split(lines[i], ' ') : std::vector<std::string>{};
+    if (w.empty() || w[0] != key) fail(strprintf("%s: line %zu is not '%s ...'", what, i + 1, key));
+    return w;
+}
+
 static void set_option(const Option& o, const std::string& v) {
     const std::string flag = o.name;
     switch (o.type) {
@@ -786,19 +795,7 @@ class Gemms {
     }
     // Follow a plan (lines as plan_text writes them; others are refused): no timing from now on.
     void set_plan(const std::string& text) {
-        std::map<std::string, cublasLtMatmulAlgo_t> plan;
-        int line_no = 0;
-        for (const std::string& line : split(text, '\n')) {
-            ++line_no;
-            if (line.empty()) continue;
-            const size_t eq = line.find(" = "), paren = line.find(" (", eq == std::string::npos ? 0 : eq);
-            cublasLtMatmulAlgo_t algo;
-            if (line.rfind("gemm ", 0) != 0 || eq == std::string::npos || paren == std::string::npos || line.back() != ')' ||
-                !parse_algo_hex(line.substr(eq + 3, paren - eq - 3), algo))
-                fail(strprintf("GEMM plan line %d is not 'gemm SHAPE = ALGORITHM (note)': %s", line_no, line.c_str()));
-            if (!plan.emplace(line.substr(5, eq - 5), algo).second)
-                fail(strprintf("GEMM plan line %d names a shape twice: %s", line_no, line.c_str()));
-        }
+        std::map<std::string, cublasLtMatmulAlgo_t> plan = parse_plan(text);
         if (!plans_.empty()) fail("set_plan: GEMMs have already run");
         fixed_plan_ = std::move(plan);
         fixed_ = true;
@@ -809,14 +806,10 @@ class Gemms {
     // Several ranks: every rank takes rank 0's choices (plan_text lines) for the shapes it has run,
     // so all ranks run the logged plan.
     void adopt_plan(const std::string& text) {
-        for (const std::string& line : split(text, '\n')) {
-            const size_t eq = line.find(" = "), paren = line.find(" (", eq == std::string::npos ? 0 : eq);
-            cublasLtMatmulAlgo_t algo;
-            if (line.rfind("gemm ", 0) != 0 || paren == std::string::npos ||
-                !parse_algo_hex(line.substr(eq + 3, paren - eq - 3), algo))
-                continue;
-            for (auto& [key, p] : plans_)
-                if (key_text(key) == line.substr(5, eq - 5)) p.candidates = {algo};
+        const std::map<std::string, cublasLtMatmulAlgo_t> plan = parse_plan(text);
+        for (auto& [key, p] : plans_) {
+            auto it = plan.find(key_text(key));
+            if (it != plan.end()) p.candidates = {it->second};
         }
     }
     int unplanned_shapes() const { return unplanned_; }
@@ -938,6 +931,23 @@ class Gemms {
                          type(k.ta), type(k.tb), type(k.tc), k.opa == Op::N ? 'N' : 'T', k.opb == Op::N ? 'N' : 'T', k.m,
                          k.n, k.k, (long long)k.lda, (long long)k.ldb, (long long)k.ldc, (int)k.fast_accum, k.align_a,
                          k.align_b, k.align_c, k.batch, (long long)k.stride_a, (long long)k.stride_b, (long long)k.stride_c);
+    }
+    // plan_text's lines back: shape text -> algorithm (a malformed or repeated line is refused)
+    static std::map<std::string, cublasLtMatmulAlgo_t> parse_plan(const std::string& text) {
+        std::map<std::string, cublasLtMatmulAlgo_t> plan;
+        int line_no = 0;
+        for (const std::string& line : split(text, '\n')) {
+            ++line_no;
+            if (line.empty()) continue;
+            const size_t eq = line.find(" = "), paren = line.find(" (", eq == std::string::npos ? 0 : eq);
+            cublasLtMatmulAlgo_t algo;
+            if (line.rfind("gemm ", 0) != 0 || eq == std::string::npos || paren == std::string::npos || line.back() != ')' ||
+                !parse_algo_hex(line.substr(eq + 3, paren - eq - 3), algo))
+                fail(strprintf("GEMM plan line %d is not 'gemm SHAPE = ALGORITHM (note)': %s", line_no, line.c_str()));
+            if (!plan.emplace(line.substr(5, eq - 5), algo).second)
+                fail(strprintf("GEMM plan line %d names a shape twice: %s", line_no, line.c_str()));
+        }
+        return plan;
     }
     static std::string algo_hex(const cublasLtMatmulAlgo_t& a) {
         std::string s;
@@ -1235,12 +1245,15 @@ struct PlanStep {
     std::string label;
 };
 
+// a parameter's configuration among cfgs (`plan` names the caller in the error)
+static const ParamConfig& config_of(const std::vector<ParamConfig>& cfgs, const std::string& label, const char* plan) {
+    for (const ParamConfig& c : cfgs)
+        if (c.label == label) return c;
+    fail(std::string(plan) + ": no parameter '" + label + "'");
+}
+
 static std::vector<PlanStep> step_plan(const std::vector<ParamConfig>& cfgs, bool do_adam, bool split) {
-    auto cfg = [&](const std::string& label) -> const ParamConfig& {
-        for (const ParamConfig& c : cfgs)
-            if (c.label == label) return c;
-        fail("step plan: no parameter '" + label + "'");
-    };
+    auto cfg = [&](const std::string& label) -> const ParamConfig& { return config_of(cfgs, label, "step plan"); };
     std::vector<PlanStep> plan;
     std::vector<std::string> reduced;
     for (const char* label : scatter_order) {
@@ -1288,15 +1301,10 @@ static std::vector<BackwardReduce> backward_reduce_plan(const std::vector<ParamC
                                                         bool split) {
     std::vector<BackwardReduce> plan;
     if (world_size == 1) return plan;
-    auto cfg = [&](const std::string& label) -> const ParamConfig& {
-        for (const ParamConfig& c : cfgs)
-            if (c.label == label) return c;
-        fail("backward reduce plan: no parameter '" + label + "'");
-    };
     if (do_adam && split) plan.push_back({ReducePoint::AfterHead, -1, "lm_head"});
     // matrices [first, first + n) of a bank, in runs of one owner each
     auto slices = [&](int layer, const char* label, int64_t first, int64_t n) {
-        const int64_t chunk = cfg(label).chunk_size;
+        const int64_t chunk = config_of(cfgs, label, "backward reduce plan").chunk_size;
         for (int64_t m = first; m < first + n;) {
             const int64_t owner = m / chunk, end = std::min(first + n, (owner + 1) * chunk);
             plan.push_back({ReducePoint::AfterLayer, layer, label, m, end - m, (int)owner});
@@ -2789,8 +2797,8 @@ class DistributedDataGenerator {
         if (!opt_.align_to_bos) fail("seek: only the BOS-aligned training stream has a position");
         const std::vector<std::string> l = split(text, '\n');
         auto field = [&](size_t i, const char* key, size_t n) {
-            std::vector<std::string> w = i < l.size() ? split(l[i], ' ') : std::vector<std::string>{};
-            if (w.size() != n + 1 || w[0] != key) fail(strprintf("data position: line %zu is not '%s ...'", i + 1, key));
+            std::vector<std::string> w = keyed_line(l, i, key, "data position");
+            if (w.size() != n + 1) fail(strprintf("data position: line %zu is not '%s ...'", i + 1, key));
             return w;
         };
         const std::vector<std::string> f = field(0, "file", 2), b = field(1, "bos", 1), it = field(2, "batch_iter", 1),
@@ -3037,11 +3045,7 @@ class TrainingManager {
     }
     void set_state(const std::string& text) {
         const std::vector<std::string> l = split(text, '\n');
-        auto words = [&](size_t i, const char* key) {
-            std::vector<std::string> w = i < l.size() ? split(l[i], ' ') : std::vector<std::string>{};
-            if (w.empty() || w[0] != key) fail(strprintf("schedule state: line %zu is not '%s ...'", i + 1, key));
-            return w;
-        };
+        auto words = [&](size_t i, const char* key) { return keyed_line(l, i, key, "schedule state"); };
         auto number = [](const std::string& v) {
             char* end = nullptr;
             const double x = strtod(v.c_str(), &end);
@@ -3475,7 +3479,8 @@ constexpr size_t CHECKPOINT_MAX_HEADER = 1 << 20;
 constexpr uint64_t CHECKPOINT_MAX_TEXT = 64 << 20;  // the largest text blob a reader accepts
 
 // 64-bit hash of bytes (FNV-1a over 8-byte words, then the tail): fast enough for gigabytes
-static uint64_t hash_bytes(const void* data, size_t n, uint64_t h = 0xcbf29ce484222325ull) {
+constexpr uint64_t HASH_SEED = 0xcbf29ce484222325ull;
+static uint64_t hash_bytes(const void* data, size_t n, uint64_t h = HASH_SEED) {
     const unsigned char* p = (const unsigned char*)data;
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -3488,6 +3493,7 @@ static uint64_t hash_bytes(const void* data, size_t n, uint64_t h = 0xcbf29ce484
     return h;
 }
 static std::string hex64(uint64_t v) { return strprintf("%016llx", (unsigned long long)v); }
+static std::string hash_text(const std::string& s) { return hex64(hash_bytes(s.data(), s.size())); }
 
 struct CheckpointHeader {
     int world_size = 0;
@@ -3501,7 +3507,7 @@ struct CheckpointHeader {
 static void write_checkpoint_file(const std::string& path, int world_size, int64_t step, const std::string& config_hash,
                                   const std::string& source_hash,
                                   const std::vector<std::pair<std::string, std::string>>& blobs) {
-    uint64_t h = 0xcbf29ce484222325ull;
+    uint64_t h = HASH_SEED;
     std::string header = strprintf("train_gpt checkpoint %d\nworld_size %d\nstep %lld\nconfig_hash %s\nsource_hash %s\n",
                                    CHECKPOINT_VERSION, world_size, (long long)step, config_hash.c_str(), source_hash.c_str());
     for (const auto& [name, bytes] : blobs) {
@@ -3604,7 +3610,7 @@ static std::map<std::string, std::string> read_checkpoint_blobs(const std::strin
     FILE* f = fopen(path.c_str(), "rb");
     if (!f) bad(strerror(errno));
     std::map<std::string, std::string> out;
-    uint64_t hash = 0xcbf29ce484222325ull, offset = h.header_bytes;
+    uint64_t hash = HASH_SEED, offset = h.header_bytes;
     for (const auto& [name, bytes] : h.blobs) {
         const bool keep = want.empty() || want.count(name);
         if (keep || verify) {
@@ -3680,17 +3686,30 @@ static void check_logged_configuration(const std::string& block, const std::stri
     }
 }
 
+// Rank `rank`'s blobs on the GPU: its gradients of the Adam parameters and its optimizer shards
+// (every rank's have this rank's sizes: the shards are even).
+struct DeviceBlob {
+    std::string name;
+    void* data;
+    size_t bytes;
+};
+static std::vector<DeviceBlob> rank_device_blobs(ParamStore& params, const NorMuonAndAdam& opt, int rank) {
+    std::vector<DeviceBlob> out;
+    const std::string prefix = strprintf("rank%d/", rank);
+    for (Param& p : params.all())
+        if (table_entry(p.shape.label).optim == Optim::Adam) out.push_back({prefix + "grad/" + p.shape.label, p.grad, p.bytes()});
+    for (const auto& sv : opt.state_views()) out.push_back({prefix + "state/" + sv.label + "/" + sv.kind, sv.data, sv.bytes()});
+    return out;
+}
+
 // The blobs of a checkpoint of this model, optimizer and world size, with their sizes.
 static std::map<std::string, BlobSpec> checkpoint_layout(ParamStore& params, const NorMuonAndAdam& opt, int world_size) {
     std::map<std::string, BlobSpec> m;
     for (const char* text : {"config", "gemm_plan", "trainer", "schedule", "optimizer"}) m[text] = {CHECKPOINT_MAX_TEXT, true};
     for (Param& p : params.all()) m["param/" + p.shape.label] = {p.bytes(), false};
     for (int r = 0; r < world_size; ++r) {
-        const std::string rank = strprintf("rank%d/", r);
-        for (Param& p : params.all())
-            if (table_entry(p.shape.label).optim == Optim::Adam) m[rank + "grad/" + p.shape.label] = {p.bytes(), false};
-        for (const auto& sv : opt.state_views()) m[rank + "state/" + sv.label + "/" + sv.kind] = {sv.bytes(), false};
-        m[rank + "data"] = {CHECKPOINT_MAX_TEXT, true};
+        for (const DeviceBlob& b : rank_device_blobs(params, opt, r)) m[b.name] = {b.bytes, false};
+        m[strprintf("rank%d/data", r)] = {CHECKPOINT_MAX_TEXT, true};
     }
     return m;
 }
@@ -3717,11 +3736,8 @@ static std::string save_checkpoint(const Hyperparameters& args, ParamStore& para
                                    int rank, int world_size) {
     CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<std::pair<std::string, std::string>> mine;
-    const std::string prefix = strprintf("rank%d/", rank);
-    for (Param& p : params.all())
-        if (table_entry(p.shape.label).optim == Optim::Adam) mine.push_back({prefix + "grad/" + p.shape.label, download(p.grad, p.bytes())});
-    for (const auto& sv : opt.state_views()) mine.push_back({prefix + "state/" + sv.label + "/" + sv.kind, download(sv.data, sv.bytes())});
-    mine.push_back({prefix + "data", loader.position()});
+    for (const DeviceBlob& b : rank_device_blobs(params, opt, rank)) mine.push_back({b.name, download(b.data, b.bytes)});
+    mine.push_back({strprintf("rank%d/data", rank), loader.position()});
     const std::string dir = "logs/" + args.run_id;
     const std::string path = dir + strprintf("/state_step%06lld.bin", (long long)rs.steps_done);
     if (rank != 0) {  // to rank 0: the count, then each name and bytes
@@ -3761,8 +3777,7 @@ static std::string save_checkpoint(const Hyperparameters& args, ParamStore& para
     }
     mkdir("logs", 0755);
     mkdir(dir.c_str(), 0755);
-    write_checkpoint_file(path, world_size, rs.steps_done, hex64(hash_bytes(rs.configuration.data(), rs.configuration.size())),
-                          hex64(hash_bytes(source_block().data(), source_block().size())), blobs);
+    write_checkpoint_file(path, world_size, rs.steps_done, hash_text(rs.configuration), hash_text(source_block()), blobs);
     MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
     return path;
 }
@@ -3797,9 +3812,8 @@ static RunState load_checkpoint(const std::string& path, const CheckpointHeader&
     for (Param& p : params.all()) {
         upload(p.data, b.at("param/" + p.shape.label));
         CUDA_CHECK(cudaMemset(p.grad, 0, p.bytes()));
-        if (table_entry(p.shape.label).optim == Optim::Adam) upload(p.grad, b.at(prefix + "grad/" + p.shape.label));
     }
-    for (const auto& sv : opt.state_views()) upload(sv.data, b.at(prefix + "state/" + sv.label + "/" + sv.kind));
+    for (const DeviceBlob& d : rank_device_blobs(params, opt, rank)) upload(d.data, b.at(d.name));
     opt.set_host_state(b.at("optimizer"));
     tm.set_state(b.at("schedule"));
     loader.seek(b.at(prefix + "data"));
@@ -3968,7 +3982,7 @@ static int trainer_main(int argc, char** argv) {
                 if (resume_header.world_size != world_size)
                     fail(strprintf("%s was written at world size %d; run it on %d ranks", resume_path.c_str(),
                                    resume_header.world_size, resume_header.world_size));
-                if (resume_header.source_hash != hex64(hash_bytes(source_block().data(), source_block().size())) &&
+                if (resume_header.source_hash != hash_text(source_block()) &&
                     dist.rank == 0)
                     printf("note: %s was written by other sources than this binary's\n", resume_path.c_str());
             }
@@ -4021,13 +4035,17 @@ static int trainer_main(int argc, char** argv) {
     const int max_cu = (int)next_multiple_of_n(max_local / 300, 128);
     Gemms gemms(args.gemm_autotune);
     const std::string plan_for = gemm_plan_device();
+    // a plan's lines after its first, which names the machine it was made for
+    auto plan_body = [](const std::string& plan) {
+        const size_t nl = plan.find('\n');
+        return nl == std::string::npos ? std::string() : plan.substr(nl + 1);
+    };
     if (!given_plan.empty()) {  // the logged plan, on the machine it was made for
-        const size_t nl = given_plan.find('\n');
-        const std::string first = given_plan.substr(0, nl);
+        const std::string first = given_plan.substr(0, given_plan.find('\n'));
         if (first != plan_for)
             fail("the GEMM plan was made for another GPU or library: '" + first + "'; this machine: '" + plan_for +
                  "' (run with flags instead of --rerun/--resume to tune again)");
-        gemms.set_plan(nl == std::string::npos ? "" : given_plan.substr(nl + 1));
+        gemms.set_plan(plan_body(given_plan));
     }
     Model model(params, gemms, args, (int)capacity, (int)eval_local, max_cu);
     NorMuonAndAdam optimizer(params, gemms, args, world_size, dist.rank, dist.comm);
@@ -4076,7 +4094,7 @@ static int trainer_main(int argc, char** argv) {
         MPI_CHECK(MPI_Bcast(&n, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD));
         gemm_plan.resize(n);
         MPI_CHECK(MPI_Bcast(gemm_plan.data(), (int)n, MPI_CHAR, 0, MPI_COMM_WORLD));
-        gemms.adopt_plan(gemm_plan);
+        gemms.adopt_plan(plan_body(gemm_plan));
     }
     print0(given_plan.empty() ? gemms.tuning_report() : "GEMM plan given: no tuning", true);
     if (gemms.unplanned_shapes() > 0)
