@@ -666,7 +666,8 @@ class LoopProfiler {
         if (open_) nvtxRangePop();
         open_ = false;
     }
-    // the host clock of a step that was not profiled (the profiled ones should take as long)
+    // the host clock of a step that was not profiled, from an idle GPU to an idle GPU (the profiled
+    // ones should take as long: their events cost little)
     void add_unprofiled(const std::string& phase, double ms) {
         Unprofiled& u = unprofiled_[phase];
         u.ms += ms, u.steps += 1;
@@ -3925,6 +3926,9 @@ static double peak_mib() {
     return peak;
 }
 
+// the process's start, for the log's "launch to the first training step" (static: set before main)
+static const auto g_launch_time = std::chrono::steady_clock::now();
+
 static int trainer_main(int argc, char** argv) {
     std::vector<std::string> cli(argv + 1, argv + argc);
     // under mpirun, the commands that only print run on rank 0 alone
@@ -4129,6 +4133,8 @@ static int trainer_main(int argc, char** argv) {
     const int64_t first_step = rs.steps_done;
     CUDA_CHECK(cudaDeviceSynchronize());
     auto t0 = std::chrono::steady_clock::now();
+    print0(strprintf("launch to the first training step: %.1f s (CUDA, NCCL, data, warmup with its GEMM tuning)",
+                     std::chrono::duration<double>(t0 - g_launch_time).count()), true);
     auto elapsed_ms = [&] { return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(); };
     auto checkpoint = [&](int64_t steps_done) {  // off the clock
         CUDA_CHECK(cudaDeviceSynchronize());
@@ -4164,6 +4170,8 @@ static int trainer_main(int argc, char** argv) {
             break;  // the last step only validates
         }
         const bool profiled = args.profile_steps > 0 && step % args.profile_steps == 0;
+        // a profiled run times whole steps: no step's tail may run on into the next one's clock
+        if (args.profile_steps > 0) CUDA_CHECK(cudaDeviceSynchronize());
         const double step_start = elapsed_ms();
         if (profiled) g_profiler = &profiler, profiler.begin_step(stream);
         try {
@@ -4173,6 +4181,7 @@ static int trainer_main(int argc, char** argv) {
                                          last_checkpoint.empty() ? "none" : last_checkpoint.c_str()));
         }
         if (profiled) profiler.end_step(stream, training_manager.phase()), g_profiler = nullptr;
+        if (!profiled && args.profile_steps > 0) CUDA_CHECK(cudaDeviceSynchronize());
         const double step_ms = elapsed_ms() - step_start;
         if (!profiled && args.profile_steps > 0) profiler.add_unprofiled(training_manager.phase(), step_ms);
         const double approx = training_time_ms + elapsed_ms();
