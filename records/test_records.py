@@ -360,6 +360,27 @@ class Plot(unittest.TestCase):
                 self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
 
 
+class RecordFolders(unittest.TestCase):
+    """Each record folder's README holds the tables that summarize.py makes from the folder's logs
+    (pytorch/ first, then ours/), so a table pasted by hand or a log changed after the fact fails."""
+
+    def test_readme_tables_match_the_logs(self):
+        folders = sorted(d for d in os.listdir(HERE) if os.path.isdir(os.path.join(HERE, d, "ours")))
+        self.assertTrue(folders, "no record folder")
+        for name in folders:
+            d = os.path.join(HERE, name)
+            with open(os.path.join(d, "README.md")) as f:
+                readme = f.read()
+            groups = [logs.load_group(f"{g}={os.path.join(d, g)}") for g in ("pytorch", "ours")
+                      if os.path.isdir(os.path.join(d, g))]
+            spec = logs.parse_phases("150:3,10") if "--phases 150:3,10" in readme else None
+            text = summarize.render(groups, 3.28, spec)
+            tables = [t for t in text.split("\n\n") if t.startswith("| Group")]
+            self.assertEqual(len(tables), 2)
+            for t in tables:
+                self.assertIn(t, readme, f"{name}/README.md: a table differs from summarize.py's")
+
+
 if __name__ == "__main__":
     result = unittest.main(exit=False, verbosity=1).result
     failed = len(result.failures) + len(result.errors)
