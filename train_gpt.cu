@@ -4180,10 +4180,11 @@ static int trainer_main(int argc, char** argv) {
             throw TrainerError(strprintf("%s (training step %lld; last checkpoint: %s)", e.what(), (long long)step + 1,
                                          last_checkpoint.empty() ? "none" : last_checkpoint.c_str()));
         }
+        const bool unprofiled = args.profile_steps > 0 && !profiled;
         if (profiled) profiler.end_step(stream, training_manager.phase()), g_profiler = nullptr;
-        if (!profiled && args.profile_steps > 0) CUDA_CHECK(cudaDeviceSynchronize());
+        if (unprofiled) CUDA_CHECK(cudaDeviceSynchronize());
         const double step_ms = elapsed_ms() - step_start;
-        if (!profiled && args.profile_steps > 0) profiler.add_unprofiled(training_manager.phase(), step_ms);
+        if (unprofiled) profiler.add_unprofiled(training_manager.phase(), step_ms);
         const double approx = training_time_ms + elapsed_ms();
         const std::string line = strprintf("step:%lld/%lld train_time:%.0fms step_avg:%.2fms", (long long)step + 1,
                                            (long long)train_steps, approx, approx / (step + 1));
