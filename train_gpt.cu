@@ -349,6 +349,8 @@ class DeviceArena {
 static __nv_bfloat16* as_bf16(void* p) { return (__nv_bfloat16*)p; }
 
 static int64_t next_multiple_of_n(int64_t v, int64_t n) { return v <= 0 ? n : (v + n - 1) / n * n; }
+// cu_seqlens entries of a batch of n tokens on a rank, as the record pads them (median document ~400 tokens)
+static int64_t max_num_docs_of(int64_t n) { return next_multiple_of_n(n / 300, 128); }
 
 // -----------------------------------------------------------------------------
 // Configuration: the flags, their parsing and the resolved configuration that goes in the log.
@@ -1996,10 +1998,11 @@ class Model {
    public:
     // Training micro-batches of up to max_tokens keep every layer's activations for the backward;
     // evaluation batches of up to max_eval_tokens (forward only) rotate through two layers' worth.
+    // Batches have up to max_cu_len cu_seqlens, training ones up to max_train_cu_len (default: as many).
     Model(ParamStore& params, Gemms& gemms, const Hyperparameters& args, int max_tokens, int max_eval_tokens,
-          int max_cu_len)
+          int max_cu_len, int max_train_cu_len = -1)
         : p_(params), gemms_(gemms), args_(args), max_tokens_(max_tokens), max_eval_(max_eval_tokens),
-          max_cu_(max_cu_len) {
+          max_cu_(max_cu_len), max_train_cu_(max_train_cu_len < 0 ? max_cu_len : std::min(max_cu_len, max_train_cu_len)) {
         const int64_t T = max_tokens, TE = std::max(max_tokens, max_eval_tokens), D = MODEL_DIM, V = PADDED_VOCAB_SIZE;
         auto bf = [&](int64_t n) { return alloc<__nv_bfloat16>(n); };
         emb_ = bf(TE * D), xs_ = bf(TE * D), x0_ = bf(TE * D), x_last_ = bf(TE * D), x_back_ = bf(TE * D), xn_ = bf(TE * D);
@@ -2025,6 +2028,12 @@ class Model {
         rope_positions_ = 2 * (int)TE;  // the paired-head layers rotate 2 positions per token
         rope_ = alloc<__nv_bfloat162>((int64_t)rope_positions_ * 32);
         tiles_ = (int4*)alloc<unsigned char>(attention_tiles_bytes(2 * (int)TE, max_cu_len));
+        // the backward's dS^T tiles, for the longest training window in either head layout
+        const int64_t longest = std::max(*std::max_element(args.ws_schedule.begin(), args.ws_schedule.end()), args.ws_final);
+        max_window_ = (int)(longest * args.block_size);
+        ds_bytes_ = std::max(attention_ds_bytes((int)T, max_train_cu_, NUM_HEADS, max_window_),
+                             attention_ds_bytes(2 * (int)T, max_train_cu_, NUM_HEADS / 2, max_window_));
+        ds_ = (__nv_bfloat16*)alloc<unsigned char>((int64_t)ds_bytes_);
         xf8_ = alloc<uint8_t>(T * D), xf8t_ = alloc<uint8_t>(T * D);
         wf8t_ = alloc<uint8_t>(V * D), wf8_ = alloc<uint8_t>(V * D);
         logits_ = bf((int64_t)LOGIT_ROWS * V);
@@ -2050,9 +2059,9 @@ class Model {
     // tokens: T + 1 ids (inputs tokens[0, T), targets tokens[1, T]); cu: cu_len cu_seqlens. Returns
     // the loss (training: the MTP loss summed over tokens times loss_scale; evaluation: the mean).
     float forward(const int32_t* tokens, const int32_t* cu, int cu_len, int T, const ForwardArgs& fa, cudaStream_t s) {
-        const int max_t = fa.training ? max_tokens_ : max_eval_;
-        if (T > max_t || cu_len > max_cu_)
-            fail(strprintf("forward: %d tokens / %d cu_seqlens exceed %d / %d", T, cu_len, max_t, max_cu_));
+        const int max_t = fa.training ? max_tokens_ : max_eval_, max_cu = fa.training ? max_train_cu_ : max_cu_;
+        if (T > max_t || cu_len > max_cu)
+            fail(strprintf("forward: %d tokens / %d cu_seqlens exceed %d / %d", T, cu_len, max_t, max_cu));
         if (T % 16) fail(strprintf("forward: %d tokens is not a multiple of 16 (fp8 GEMMs)", T));
         T_ = T, tokens_ = tokens, cu_ = cu, cu_len_ = cu_len, fa_ = fa;
         const int64_t D = MODEL_DIM, TD = (int64_t)T * D;
@@ -2240,7 +2249,7 @@ class Model {
         ap.cu_seqlens = cu_, ap.cu_len = cu_len_, ap.cu_mult = paired ? 2 : 1;
         ap.positions = paired ? 2 * T_ : T_, ap.heads = paired ? NUM_HEADS / 2 : NUM_HEADS;
         ap.window = (int)((long_window(i) ? fa_.ws_long : fa_.ws_short) * args_.block_size);
-        ap.scale = (float)fa_.yarn.attn_scale, ap.tiles = tiles_;
+        ap.scale = (float)fa_.yarn.attn_scale, ap.tiles = tiles_, ap.ds = ds_;
         ap.dout = dy_, ap.dout_stride = stride, ap.dq = dq_, ap.dk = dk_, ap.dv = value_grad(i);
         ap.dq_stride = ap.dk_stride = stride, ap.dv_stride = ap.v_stride, ap.delta = delta_;
         return ap;
@@ -2307,6 +2316,9 @@ class Model {
         CUDA_CHECK(gate_backward(GateKind::Output, og, dxn_, D, attn_gate_grad(i), nullptr, s));
         // attention (its tile schedule was overwritten by later layers: remake it)
         attn::Params ap = attn_params(i);
+        if (attention_ds_bytes(ap.positions, ap.cu_len, ap.heads, ap.window) > ds_bytes_)
+            fail(strprintf("attention backward: window %d exceeds the %d the dS workspace was sized for", ap.window,
+                           max_window_));
         profile_mark(Part::Attention, s);
         CUDA_CHECK(attention_schedule(ap, s));
         CUDA_CHECK(attention_backward(ap, s, true));
@@ -2395,7 +2407,7 @@ class Model {
     ParamStore& p_;
     Gemms& gemms_;
     const Hyperparameters& args_;
-    int max_tokens_, max_eval_, max_cu_;
+    int max_tokens_, max_eval_, max_cu_, max_train_cu_;
     // the last forward's batch and schedule, for its backward
     int T_ = 0, cu_len_ = 0;
     const int32_t *tokens_ = nullptr, *cu_ = nullptr;
@@ -2410,6 +2422,9 @@ class Model {
     float *rstd0_, *rstd_f_, *losses_, *lse_, *loss_, *lm_grad_, *scales_[3];  // x_s, w_s, grad_s
     int* bad_;  // the first layer whose output was not finite, or -1
     int4* tiles_;
+    __nv_bfloat16* ds_;  // attention's dS^T tiles (backward)
+    size_t ds_bytes_ = 0;
+    int max_window_ = 0;
     uint8_t *xf8_, *xf8t_, *wf8t_, *wf8_, *gf8_, *gf8t_;
     __nv_bfloat16 *dx_, *dx0_, *dskip_, *dback_, *dxn_, *dy_, *dyg_, *dq_, *dk_, *dv_, *dqkv_, *dpost_, *dpre_,
         *dxn_head_, *demb_, *dve_[NUM_VALUE_EMBEDS];
@@ -2704,7 +2719,7 @@ class DistributedDataGenerator {
         slot_ ^= 1;
         if (b.copied) CUDA_CHECK(cudaEventSynchronize(b.copied));  // its last upload is done
         const int64_t ntl = num_tokens_ / world_size_;
-        const int64_t max_num_docs = next_multiple_of_n(ntl / 300, 128);  // median doc length is ~400
+        const int64_t max_num_docs = max_num_docs_of(ntl);
         reserve(b, ntl);
         b.num_tokens = ntl;
         b.max_num_docs = max_num_docs;
@@ -2826,7 +2841,7 @@ class DistributedDataGenerator {
    private:
     void reserve(HostBatch& b, int64_t ntl) {
         b.tokens_buf.reserve(ntl + 1, opt_.pinned);
-        b.cu_seqlens_buf.reserve(next_multiple_of_n(ntl / 300, 128), opt_.pinned);
+        b.cu_seqlens_buf.reserve(max_num_docs_of(ntl), opt_.pinned);
     }
 
     int rank_, world_size_;
@@ -4036,7 +4051,7 @@ static int trainer_main(int argc, char** argv) {
     for (int64_t bs : args.train_bs_schedule) capacity = std::max(capacity, bs);
     capacity /= 8;
     const int64_t eval_local = args.val_batch_size / 8, max_local = std::max(capacity, eval_local);
-    const int max_cu = (int)next_multiple_of_n(max_local / 300, 128);
+    const int max_cu = (int)max_num_docs_of(max_local);
     Gemms gemms(args.gemm_autotune);
     const std::string plan_for = gemm_plan_device();
     // a plan's lines after its first, which names the machine it was made for
@@ -4051,7 +4066,7 @@ static int trainer_main(int argc, char** argv) {
                  "' (run with flags instead of --rerun/--resume to tune again)");
         gemms.set_plan(plan_body(given_plan));
     }
-    Model model(params, gemms, args, (int)capacity, (int)eval_local, max_cu);
+    Model model(params, gemms, args, (int)capacity, (int)eval_local, max_cu, (int)max_num_docs_of(capacity));
     NorMuonAndAdam optimizer(params, gemms, args, world_size, dist.rank, dist.comm);
     params.save_initial_state();  // restored after the warmup
     cudaStream_t stream;

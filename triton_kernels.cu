@@ -13,7 +13,7 @@
 //   (shared device helpers; the SM count)               tk         num_sms, grid_stride_blocks, allow_smem
 //   flash_attn_varlen_func (FA3), forward               attn       attention_forward (attention_schedule,
 //                                                                  attention_tiles_bytes)
-//   flash_attn_varlen_func (FA3), backward              attn       attention_backward
+//   flash_attn_varlen_func (FA3), backward              attn       attention_backward (attention_ds_bytes)
 //   FusedSoftcappedCrossEntropy forward                 ce         softcapped_cross_entropy
 //     (fused_softcapped_entropy_fwd_kernel; in eval,
 //     23 sigmoid((logits + 5) / 7.5) + F.cross_entropy)
@@ -89,6 +89,12 @@ __device__ __forceinline__ void fence_regs(float* d) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+// the same for A fragments an MMA in flight reads: they stay live (and unmoved) until this point
+template <int N>
+__device__ __forceinline__ void fence_regs(uint32_t* a) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
 // d (64 x 64) += A (64 x 16, smem, K-major) . B (16 x 64, smem, K-major)
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, uint64_t da, uint64_t db) {
     asm volatile(
@@ -105,7 +111,23 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs_nmajor(float* d, const uint3
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
+// d (64 x 128) += A (64 x 16, smem, M-major) . B (16 x 128, smem, N-major)
+__device__ __forceinline__ void wgmma_m64n128k16_ss_mn_major(float* d, uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db));
+}
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// 2^x on the SFU (ex2.approx.ftz: 2 ulp, results below 2^-126 flushed to zero; exp2f adds range
+// fix-ups, instructions that the attention and cross-entropy passes do not need)
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 // Lets a kernel use more than 48 KB of dynamic shared memory (once: `done` remembers).
 template <typename Kernel>
@@ -197,9 +219,11 @@ __device__ __forceinline__ void store8(__nv_bfloat16* p, const float f[8]) {
 // bf16 q, k, v of (positions, heads, 128) with any position stride (so q, k, v can be views of
 // one QKV buffer), sequences given by cu_seqlens (int32, padded with repeated final values, each
 // entry times cu_mult: 2 for the paired-head layout, whose 2T positions interleave head pairs).
-// Online-softmax tiles (FlashAttention-2 schedule) on Hopper wgmma; the backward is deterministic:
-// dK/dV by key tile and dQ by query tile in two kernels, no atomics. (In the record: flash_attn over
-// flex_attn by @varunneal, flash_attn_varlen suggested by @YouJiacheng.)
+// Online-softmax tiles (FlashAttention-2 schedule) on Hopper wgmma, the MMAs asynchronous where one
+// can run behind another; the backward is deterministic, no atomics: dK/dV by key tile, which also
+// stores each tile pair's dS^T, then dQ by query tile from those dS^T (one product per pair, as
+// FlashAttention's atomic dQ has, where recomputing S and dP would take three). (In the record:
+// flash_attn over flex_attn by @varunneal, flash_attn_varlen suggested by @YouJiacheng.)
 
 namespace attn {
 
@@ -229,13 +253,28 @@ struct Params {
     int64_t dq_stride, dk_stride, dv_stride;
     float* delta;  // (heads, positions) workspace: rowsum(dout * out)
     int4* tiles;   // workspace of attention_tiles_bytes(): the tile schedule the forward writes
+    __nv_bfloat16* ds;  // workspace of attention_ds_bytes(): the dK/dV pass's dS^T tiles, for dQ
+    int ds_slots;       // query tiles a key tile can meet (set by attention_backward)
 };
 
-// Tile schedule: every 64-row tile of every sequence as {seq start, seq end, tile start}, in two
+// Tile schedule: every 64-row tile of every sequence as {seq start, seq end, tile start, sequence}, in two
 // orders, heaviest first so the last wave is short: by query tile (forward, dQ: later tiles of a
 // sequence see more keys) and by key tile (dK/dV: earlier tiles are seen by more queries).
 // tiles[0].x holds the count; the lists follow at tiles + 1 and tiles + 1 + max_tiles.
 __host__ __device__ inline int max_tiles(int positions, int cu_len) { return positions / BLOCK + cu_len; }
+// dS^T tiles: the backward's dK/dV pass keeps each (key tile, query tile) pair's dS^T (64 x 64
+// bf16, rows = keys) for the dQ pass, which then needs one product per pair where it would need
+// three (S and dP again, then dS K). A key tile meets at most ds_slots query tiles (its own and
+// those its window reaches, no more than a sequence has), stored at slot (query tile - key tile).
+// A key tile's id within its head: tiles start at s0 + 64 t, so k0 / 64 plus the sequence index
+// grows from one tile to the next, across sequences too, and stays below max_tiles.
+__host__ __device__ inline int ds_slots(int positions, int window) {
+    return window / BLOCK + 2 < positions / BLOCK + 2 ? window / BLOCK + 2 : positions / BLOCK + 2;
+}
+__device__ __forceinline__ __nv_bfloat16* ds_tile(const Params& p, int h, int k0, int seq, int slot) {
+    const int64_t id = (int64_t)h * max_tiles(p.positions, p.cu_len) + k0 / BLOCK + seq;
+    return p.ds + (id * p.ds_slots + slot) * (BLOCK * BLOCK);
+}
 
 constexpr int SCHED_BUCKETS = 128;
 
@@ -269,8 +308,8 @@ __global__ void __launch_bounds__(1024) attn_schedule_kernel(const Params p) {
         int n = e > a ? (e - a + BLOCK - 1) / BLOCK : 0;
         for (int t = 0; t < n; ++t) {  // order within a bucket does not matter: tiles are independent
             int iq = atomicAdd(&hist_q[min(t, cap)], 1), ik = atomicAdd(&hist_k[min(n - 1 - t, cap)], 1);
-            p.tiles[1 + iq] = make_int4(a, e, a + t * BLOCK, 0);
-            p.tiles[1 + mt + ik] = make_int4(a, e, a + t * BLOCK, 0);
+            p.tiles[1 + iq] = make_int4(a, e, a + t * BLOCK, s);
+            p.tiles[1 + mt + ik] = make_int4(a, e, a + t * BLOCK, s);
         }
     }
 }
@@ -298,8 +337,10 @@ __device__ __forceinline__ void load_tile(uint32_t smem, const __nv_bfloat16* ba
 }
 
 // acc (64 x 64: this thread's [8][4] fragments) = A (64 x 128 tile) . B^T (B: 64 x 128 tile), both
-// tiles row-major in the head dim (K-major); acc must hold zeros on entry
-__device__ __forceinline__ void gemm_abt(float acc[8][4], uint32_t a_tile, uint32_t b_tile) {
+// tiles row-major in the head dim (K-major); acc must hold zeros on entry. The _issue forms start
+// the MMAs as one commit group and return: the tiles and acc stay untouched until a wgmma wait
+// covers the group (then fence_regs on acc, and on the A fragments of gemm_pb_issue).
+__device__ __forceinline__ void gemm_abt_issue(float acc[8][4], uint32_t a_tile, uint32_t b_tile) {
     float* d = &acc[0][0];
     tk::fence_regs<32>(d);
     tk::wgmma_fence();
@@ -309,20 +350,27 @@ __device__ __forceinline__ void gemm_abt(float acc[8][4], uint32_t a_tile, uint3
         tk::wgmma_m64n64k16_ss(d, tk::smem_desc(a_tile + off, 16, 1024), tk::smem_desc(b_tile + off, 16, 1024));
     }
     tk::wgmma_commit();
+}
+__device__ __forceinline__ void gemm_abt(float acc[8][4], uint32_t a_tile, uint32_t b_tile) {
+    gemm_abt_issue(acc, a_tile, b_tile);
     tk::wgmma_wait_all();
-    tk::fence_regs<32>(d);
+    tk::fence_regs<32>(&acc[0][0]);
 }
 // acc (64 x 128: [16][4] fragments) += P (64 x 64, bf16 A fragments) . B (64 x 128 tile, rows = K)
-__device__ __forceinline__ void gemm_pb(float acc[16][4], const uint32_t pf[4][4], uint32_t b_tile) {
+__device__ __forceinline__ void gemm_pb_issue(float acc[16][4], uint32_t pf[4][4], uint32_t b_tile) {
     float* d = &acc[0][0];
     tk::fence_regs<64>(d);
+    tk::fence_regs<16>(&pf[0][0]);
     tk::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)
         tk::wgmma_m64n128k16_rs_nmajor(d, pf[ks], tk::smem_desc(b_tile + ks * 2048, BLOCK * 128, 1024));
     tk::wgmma_commit();
-    tk::wgmma_wait_all();
-    tk::fence_regs<64>(d);
+}
+// after a wait: the accumulators of the MMAs it covered, and the A fragments they read
+__device__ __forceinline__ void settle(float acc[16][4], uint32_t pf[4][4]) {
+    tk::fence_regs<64>(&acc[0][0]);
+    tk::fence_regs<16>(&pf[0][0]);
 }
 
 // Stores a warp's 16 x 128 fp32 accumulator rows as bf16 (times mul); rows >= row_end are skipped.
@@ -353,16 +401,21 @@ __device__ __forceinline__ void to_a_frags(uint32_t pf[4][4], const float s[8][4
     }
 }
 
-// element (nt, e) of the 16 x 64 C fragments that to_a_frags packed, back as fp32
-__device__ __forceinline__ float frag_value(const uint32_t pf[4][4], int nt, int e) {
-    uint32_t w = pf[nt >> 1][(nt & 1) * 2 + (e >> 1)];
-    __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&w);
-    return (e & 1) ? __high2float(v) : __low2float(v);
+// The visible keys of query i in sequence [.., s1): i - window <= j <= min(i, s1 - 1) (a query
+// past the end sees keys of no other sequence; its row is never stored). As bounds on the column
+// c of a 64-key tile at k0 whose thread columns start at cb: lo <= c <= hi.
+struct ColumnRange {
+    int lo, hi;
+};
+__device__ __forceinline__ ColumnRange query_columns(const Params& p, int i, int s1, int k0, int cb) {
+    return {i - p.window - k0 - cb, min(i, s1 - 1) - k0 - cb};
 }
-
-__device__ __forceinline__ bool visible(int i, int j, int s1, int window) {
-    return j <= i && i - j <= window && i < s1 && j < s1;
+// The queries that see key j, as columns of a 64-query tile at q0: j <= i <= min(j + window,
+// s1 - 1); none for a key past the end.
+__device__ __forceinline__ ColumnRange key_columns(const Params& p, int j, int s1, int q0, int cb) {
+    return j < s1 ? ColumnRange{j - q0 - cb, min(j + p.window, s1 - 1) - q0 - cb} : ColumnRange{1, 0};
 }
+__device__ __forceinline__ bool in_range(ColumnRange r, int c) { return c >= r.lo && c <= r.hi; }
 
 // The key tiles the query tile [q0, q0 + 64) of sequence [s0, s1) sees: nblocks from kb_first
 // (tiles aligned to the sequence start).
@@ -379,10 +432,13 @@ __device__ __forceinline__ bool key_tile_needs_mask(const Params& p, int q0, int
 }
 
 // ---- forward: one CTA per (64-query tile, head) ----
+// The MMAs run asynchronously so that the tensor cores see P V of one key tile and Q K^T of the
+// next back to back: iteration nb issues S = Q K^T, waits for it (and for the previous P V),
+// refills the other buffers, does the softmax and issues P V, which completes under the next wait.
 __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* smem, int s0, int s1, int q0) {
     const int h = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const uint32_t sQ = tk::smem_u32(smem), sK = sQ + TILE_BYTES, sV = sQ + 3 * TILE_BYTES;
+    const uint32_t sQ = tk::smem_u32(smem), sK = sQ + TILE_BYTES, sV = sQ + 3 * TILE_BYTES;  // K[2], V[2]
     const __nv_bfloat16* qh = p.q + h * D;
     const __nv_bfloat16* kh = p.k + h * D;
     const __nv_bfloat16* vh = p.v + h * D;
@@ -392,41 +448,44 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* sm
 
     load_tile(sQ, qh, p.q_stride, q0, s1);
     load_tile(sK, kh, p.k_stride, kb_first, s1);
-    tk::cp_async_commit();
     load_tile(sV, vh, p.v_stride, kb_first, s1);
     tk::cp_async_commit();
 
     const float sl2 = p.scale * LOG2E;
     float o[16][4] = {};
+    uint32_t pf[4][4] = {};  // P of the last key tile: read by its P V until the next wait
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     const int row_lo = q0 + warp * 16 + (lane >> 2);  // this thread's rows: row_lo, row_lo + 8
+    const int cb = (lane & 3) * 2;                     // and its first column in each 8-column group
 
     for (int nb = 0; nb < nblocks; ++nb) {
         const int k0 = kb_first + nb * BLOCK;
         const int buf = nb & 1;
         const uint32_t kt = sK + buf * TILE_BYTES, vt = sV + buf * TILE_BYTES;
-        const bool has_next = nb + 1 < nblocks;
-        tk::cp_async_wait<1>();
+        tk::cp_async_wait<0>();
         tk::fence_proxy_async();  // make the copied tiles visible to the tensor cores
         __syncthreads();
-        if (has_next) {
+        float s[8][4] = {};
+        gemm_abt_issue(s, sQ, kt);
+        tk::wgmma_wait_all();  // S, and the previous tile's P V
+        tk::fence_regs<32>(&s[0][0]);
+        settle(o, pf);
+        __syncthreads();  // every warp is done with the other buffers: refill them
+        if (nb + 1 < nblocks) {
             load_tile(sK + (buf ^ 1) * TILE_BYTES, kh, p.k_stride, k0 + BLOCK, s1);
+            load_tile(sV + (buf ^ 1) * TILE_BYTES, vh, p.v_stride, k0 + BLOCK, s1);
             tk::cp_async_commit();
         }
-        float s[8][4] = {};
-        gemm_abt(s, sQ, kt);
 
         const bool need_mask = key_tile_needs_mask(p, q0, k0, s1);
+        const ColumnRange cr[2] = {query_columns(p, row_lo, s1, k0, cb), query_columns(p, row_lo + 8, s1, k0, cb)};
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 float x = s[nt][e] * sl2;
-                if (need_mask) {
-                    int i = row_lo + (e >> 1) * 8, j = k0 + nt * 8 + (lane & 3) * 2 + (e & 1);
-                    if (!visible(i, j, s1, p.window)) x = -INFINITY;
-                }
+                if (need_mask && !in_range(cr[e >> 1], nt * 8 + (e & 1))) x = -INFINITY;
                 s[nt][e] = x;
                 mx[e >> 1] = fmaxf(mx[e >> 1], x);
             }
@@ -437,7 +496,7 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* sm
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
             float mn = fmaxf(m[r], mx[r]);
             mu[r] = mn == -INFINITY ? 0.f : mn;  // a row with nothing visible yet
-            alpha[r] = exp2f(m[r] - mu[r]);
+            alpha[r] = tk::fast_exp2(m[r] - mu[r]);
             m[r] = mn;
         }
         float rs[2] = {0.f, 0.f};
@@ -445,7 +504,7 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* sm
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float pv = exp2f(s[nt][e] - mu[e >> 1]);
+                float pv = tk::fast_exp2(s[nt][e] - mu[e >> 1]);
                 s[nt][e] = pv;
                 rs[e >> 1] += pv;
             }
@@ -456,19 +515,11 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* sm
             o[dt][0] *= alpha[0], o[dt][1] *= alpha[0];
             o[dt][2] *= alpha[1], o[dt][3] *= alpha[1];
         }
-        uint32_t pf[4][4];
         to_a_frags(pf, s);
-
-        if (has_next) tk::cp_async_wait<1>();
-        else tk::cp_async_wait<0>();
-        tk::fence_proxy_async();
-        __syncthreads();
-        if (has_next) {
-            load_tile(sV + (buf ^ 1) * TILE_BYTES, vh, p.v_stride, k0 + BLOCK, s1);
-            tk::cp_async_commit();
-        }
-        gemm_pb(o, pf, vt);
+        gemm_pb_issue(o, pf, vt);
     }
+    tk::wgmma_wait_all();
+    settle(o, pf);
 
     float inv[2], lse[2];
 #pragma unroll
@@ -512,7 +563,10 @@ __device__ __forceinline__ void load_row_stats(float* dst, const float* src, int
 }
 
 // ---- backward dK, dV: one CTA per (64-key tile, head), over the query tiles that see it ----
-__device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned char* smem, int s1, int k0) {
+// Per query tile: S^T = K Q^T and dP^T = V dO^T issued together (behind the previous tile's dV and
+// dK, still on the tensor cores), then P^T and dS^T, then dV += P^T dO and dK += dS^T Q, which
+// complete under the next tile's wait. dS^T also goes to p.ds for the dQ pass.
+__device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned char* smem, int s1, int k0, int seq) {
     const int h = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const uint32_t sK = tk::smem_u32(smem), sV = sK + TILE_BYTES, sQ = sK + 2 * TILE_BYTES,
@@ -538,7 +592,9 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
 
     const float sl2 = p.scale * LOG2E;
     float dk[16][4] = {}, dv[16][4] = {};
+    uint32_t pf[4][4] = {}, dsf[4][4] = {};  // P^T and dS^T in flight in the dV and dK MMAs
     const int key_lo = k0 + warp * 16 + (lane >> 2);  // this thread's keys: key_lo, key_lo + 8
+    const int cb = (lane & 3) * 2;
 
     for (int nb = 0; nb < nblocks; ++nb) {
         const int qb = k0 + nb * BLOCK;
@@ -549,118 +605,114 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
         tk::cp_async_wait<0>();
         tk::fence_proxy_async();
         __syncthreads();
-        if (nb + 1 < nblocks) {  // prefetch the next query tile while this one is used
+        // P^T = exp(S^T - lse), S^T = K Q^T; dP^T = V dO^T (16 keys x 64 queries per warp)
+        float s[8][4] = {}, dp[8][4] = {};
+        gemm_abt_issue(s, sK, qt);
+        gemm_abt_issue(dp, sV, ot);
+        tk::wgmma_wait_all();  // these two, and the previous tile's dK (and dV)
+        tk::fence_regs<32>(&s[0][0]);
+        tk::fence_regs<32>(&dp[0][0]);
+        settle(dv, pf);
+        settle(dk, dsf);
+        __syncthreads();  // every warp is done with the other buffers: refill them
+        if (nb + 1 < nblocks) {
             load_tile(sQ + (buf ^ 1) * TILE_BYTES, qh, p.q_stride, qb + BLOCK, s1);
             load_tile(sO + (buf ^ 1) * TILE_BYTES, doh, p.dout_stride, qb + BLOCK, s1);
             tk::cp_async_commit();
             load_row_stats(sL + (buf ^ 1) * BLOCK, lse_h, qb + BLOCK, s1, LOG2E);
             load_row_stats(sDl + (buf ^ 1) * BLOCK, delta_h, qb + BLOCK, s1, 1.f);
         }
-        // P^T = exp(S^T - lse), S^T = K Q^T (16 keys x 64 queries per warp)
-        float s[8][4] = {};
-        gemm_abt(s, sK, qt);
         const bool need_mask = qb < k0 + BLOCK - 1 || qb + BLOCK - 1 - k0 > p.window || qb + BLOCK > s1;
+        const ColumnRange cr[2] = {key_columns(p, key_lo, s1, qb, cb), key_columns(p, key_lo + 8, s1, qb, cb)};
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                int c = nt * 8 + (lane & 3) * 2 + (e & 1);
-                float pv = exp2f(s[nt][e] * sl2 - L[c]);
-                if (need_mask && !visible(qb + c, key_lo + (e >> 1) * 8, s1, p.window)) pv = 0.f;
+                int c = nt * 8 + cb + (e & 1);
+                float pv = tk::fast_exp2(s[nt][e] * sl2 - L[c]);
+                if (need_mask && !in_range(cr[e >> 1], nt * 8 + (e & 1))) pv = 0.f;
                 s[nt][e] = pv;
+                dp[nt][e] = pv * (dp[nt][e] - Dl[c]);  // dS^T = P^T (dP^T - delta), P in fp32 (as FA2)
             }
-        uint32_t pf[4][4];
-        to_a_frags(pf, s);  // P in bf16, as it enters the products (keeps registers for dK, dV)
-        gemm_pb(dv, pf, ot);  // dV += P^T dO
-        // dP^T = V dO^T, dS^T = P^T (dP^T - delta)
-        float dp[8][4] = {};
-        gemm_abt(dp, sV, ot);
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int c = nt * 8 + (lane & 3) * 2 + (e & 1);
-                dp[nt][e] = frag_value(pf, nt, e) * (dp[nt][e] - Dl[c]);
-            }
-        uint32_t dsf[4][4];
+        to_a_frags(pf, s);  // P and dS in bf16, as they enter the products
         to_a_frags(dsf, dp);
-        gemm_pb(dk, dsf, qt);  // dK += dS^T Q
-        __syncthreads();       // this buffer is refilled two iterations on
+        gemm_pb_issue(dv, pf, ot);   // dV += P^T dO
+        gemm_pb_issue(dk, dsf, qt);  // dK += dS^T Q
+        // dS^T for the dQ pass: this thread's rows key_lo, key_lo + 8 of the tile, two columns per word
+        uint32_t* out = reinterpret_cast<uint32_t*>(ds_tile(p, h, k0, seq, nb) + (key_lo - k0) * BLOCK + cb);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            out[kk * 8] = dsf[kk][0], out[8 * BLOCK / 2 + kk * 8] = dsf[kk][1];
+            out[kk * 8 + 4] = dsf[kk][2], out[8 * BLOCK / 2 + kk * 8 + 4] = dsf[kk][3];
+        }
     }
+    tk::wgmma_wait_all();
+    settle(dv, pf);
+    settle(dk, dsf);
     store_rows(p.dk + h * D, p.dk_stride, k0 + warp * 16, s1, dk, p.scale, p.scale);
     store_rows(p.dv + h * D, p.dv_stride, k0 + warp * 16, s1, dv, 1.f, 1.f);
-    (void)key_lo;
 }
 
 // ---- backward dQ: one CTA per (64-query tile, head), over the key tiles it sees ----
-__device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, unsigned char* smem, int s0, int s1, int q0) {
+// dQ += dS K with the dK/dV pass's dS^T tiles (rows = keys: the MMA reads them transposed).
+constexpr int DS_TILE_BYTES = BLOCK * BLOCK * 2;
+constexpr int DQ_STAGES = 3;
+
+// rows [0, 64) of a 64 x 64 dS^T tile into the first half of a swizzled tile
+__device__ __forceinline__ void load_ds_tile(uint32_t smem, const __nv_bfloat16* src) {
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < BLOCK * 8 / THREADS; ++i) {
+        const int r = (tid >> 3) + i * (THREADS / 8), chunk = tid & 7;
+        tk::cp_async16(tile_addr(smem, r, chunk * 8), src + r * BLOCK + chunk * 8, 16);
+    }
+}
+
+__device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, unsigned char* smem, int s0, int s1, int q0, int seq) {
     const int h = blockIdx.y;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const uint32_t sQ = tk::smem_u32(smem), sO = sQ + TILE_BYTES, sKV = sQ + 2 * TILE_BYTES;  // (K, V)[2]
+    const int warp = threadIdx.x >> 5;
+    // DQ_STAGES stages of (dS^T tile, K tile): each product is short, so the loads run ahead
+    const uint32_t sDS = tk::smem_u32(smem), sK = sDS + DQ_STAGES * DS_TILE_BYTES;
     const __nv_bfloat16* kh = p.k + h * D;
-    const __nv_bfloat16* vh = p.v + h * D;
 
     int kb_first, nblocks;
     key_blocks(p, s0, s1, q0, kb_first, nblocks);
-
-    load_tile(sQ, p.q + h * D, p.q_stride, q0, s1);
-    load_tile(sO, p.dout + h * D, p.dout_stride, q0, s1);
-    load_tile(sKV, kh, p.k_stride, kb_first, s1);
-    load_tile(sKV + TILE_BYTES, vh, p.v_stride, kb_first, s1);
-    tk::cp_async_commit();
-
-    const float sl2 = p.scale * LOG2E;
-    const int row_lo = q0 + warp * 16 + (lane >> 2);
-    float lse2[2], dl[2];
+    auto load = [&](int nb) {  // key tile nb into its stage, as one commit group (empty past the end)
+        if (nb < nblocks) {
+            const int k0 = kb_first + nb * BLOCK, st = nb % DQ_STAGES;
+            load_ds_tile(sDS + st * DS_TILE_BYTES, ds_tile(p, h, k0, seq, (q0 - k0) / BLOCK));
+            load_tile(sK + st * TILE_BYTES, kh, p.k_stride, k0, s1);
+        }
+        tk::cp_async_commit();
+    };
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        int i = row_lo + r * 8;
-        lse2[r] = i < s1 ? p.lse[(int64_t)h * p.positions + i] * LOG2E : 0.f;
-        dl[r] = i < s1 ? p.delta[(int64_t)h * p.positions + i] : 0.f;
-    }
+    for (int nb = 0; nb < DQ_STAGES - 1; ++nb) load(nb);
+
     float dq[16][4] = {};
     for (int nb = 0; nb < nblocks; ++nb) {
-        const int k0 = kb_first + nb * BLOCK;
-        const int buf = nb & 1;
-        const uint32_t kt = sKV + buf * 2 * TILE_BYTES, vt = kt + TILE_BYTES;
-        tk::cp_async_wait<0>();
+        const int st = nb % DQ_STAGES;
+        const uint32_t dst = sDS + st * DS_TILE_BYTES, kt = sK + st * TILE_BYTES;
+        tk::cp_async_wait<DQ_STAGES - 2>();  // key tile nb has landed
         tk::fence_proxy_async();
-        __syncthreads();
-        if (nb + 1 < nblocks) {
-            const uint32_t next = sKV + (buf ^ 1) * 2 * TILE_BYTES;
-            load_tile(next, kh, p.k_stride, k0 + BLOCK, s1);
-            load_tile(next + TILE_BYTES, vh, p.v_stride, k0 + BLOCK, s1);
-            tk::cp_async_commit();
-        }
-        float s[8][4] = {};
-        gemm_abt(s, sQ, kt);
-        const bool need_mask = key_tile_needs_mask(p, q0, k0, s1);
+        __syncthreads();  // and every warp is done with tile nb - 1's stage (its MMA was waited for)
+        load(nb + DQ_STAGES - 1);
+        float* d = &dq[0][0];
+        tk::fence_regs<64>(d);
+        tk::wgmma_fence();
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float pv = exp2f(s[nt][e] * sl2 - lse2[e >> 1]);
-                if (need_mask && !visible(row_lo + (e >> 1) * 8, k0 + nt * 8 + (lane & 3) * 2 + (e & 1), s1, p.window))
-                    pv = 0.f;
-                s[nt][e] = pv;
-            }
-        float dp[8][4] = {};
-        gemm_abt(dp, sO, vt);  // dP = dO V^T
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - dl[e >> 1]);
-        uint32_t dsf[4][4];
-        to_a_frags(dsf, dp);
-        gemm_pb(dq, dsf, kt);  // dQ += dS K
-        __syncthreads();
+        for (int ks = 0; ks < 4; ++ks)  // dQ += dS K: 16 keys a step, A = (dS^T)^T, B = K (rows = keys)
+            tk::wgmma_m64n128k16_ss_mn_major(d, tk::smem_desc(dst + ks * 2048, BLOCK * 128, 1024),
+                                             tk::smem_desc(kt + ks * 2048, BLOCK * 128, 1024));
+        tk::wgmma_commit();
+        tk::wgmma_wait_all();
+        tk::fence_regs<64>(d);
     }
     store_rows(p.dq + h * D, p.dq_stride, q0 + warp * 16, s1, dq, p.scale, p.scale);
 }
 
 constexpr int FWD_SMEM = 5 * TILE_BYTES + 1024;                  // Q, K[2], V[2] (+ alignment)
 constexpr int BWD_SMEM = 6 * TILE_BYTES + 4 * BLOCK * 4 + 1024;  // dK/dV: K, V, Q[2], dO[2], lse[2], delta[2]
-                                                          // dQ: Q, dO, (K, V)[2]
+constexpr int DQ_SMEM = DQ_STAGES * (DS_TILE_BYTES + TILE_BYTES) + 1024;  // dQ: (dS^T, K)[DQ_STAGES]
 
 __global__ void __launch_bounds__(THREADS) attn_fwd_kernel(const Params p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -671,19 +723,20 @@ __global__ void __launch_bounds__(THREADS) attn_fwd_kernel(const Params p) {
     attn_fwd_tile(p, smem, t.x, t.y, t.z);
 }
 
-// dK/dV tiles first (heavier), then dQ tiles: one launch, so the two overlap and share the tail
-__global__ void __launch_bounds__(THREADS) attn_bwd_kernel(const Params p) {
+// dK/dV by key tile (heaviest first), writing dS^T; then, in a second launch, dQ by query tile
+__global__ void __launch_bounds__(THREADS) attn_bwd_dkdv_kernel(const Params p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (tk::smem_u32(smem_raw) & 1023)) & 1023);
-    const int total = p.tiles[0].x;
-    const int b = blockIdx.x;
-    if (b < total) {
-        const int4 t = p.tiles[1 + max_tiles(p.positions, p.cu_len) + b];
-        attn_bwd_dkdv_tile(p, smem, t.y, t.z);
-    } else if (b < 2 * total) {
-        const int4 t = p.tiles[1 + b - total];
-        attn_bwd_dq_tile(p, smem, t.x, t.y, t.z);
-    }
+    if ((int)blockIdx.x >= p.tiles[0].x) return;
+    const int4 t = p.tiles[1 + max_tiles(p.positions, p.cu_len) + blockIdx.x];
+    attn_bwd_dkdv_tile(p, smem, t.y, t.z, t.w);
+}
+__global__ void __launch_bounds__(THREADS) attn_bwd_dq_kernel(const Params p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024 - (tk::smem_u32(smem_raw) & 1023)) & 1023);
+    if ((int)blockIdx.x >= p.tiles[0].x) return;
+    const int4 t = p.tiles[1 + blockIdx.x];
+    attn_bwd_dq_tile(p, smem, t.x, t.y, t.z, t.w);
 }
 
 }  // namespace attn
@@ -709,15 +762,26 @@ inline cudaError_t attention_forward(const attn::Params& p, cudaStream_t stream)
     return cudaGetLastError();
 }
 
+// Workspace bytes for p.ds: the dS^T tiles of a backward with this layout and window
+inline size_t attention_ds_bytes(int positions, int cu_len, int heads, int window) {
+    return (size_t)heads * attn::max_tiles(positions, cu_len) * attn::ds_slots(positions, window) * attn::DS_TILE_BYTES;
+}
+
 // Backward: dq, dk, dv from dout, out, lse and the schedule in p.tiles, all as the forward with
-// the same cu_seqlens and window left them (p.delta: a heads x positions fp32 workspace).
-// delta_ready: p.delta already holds rowsum(dout * out) (the output gate's backward writes it).
-inline cudaError_t attention_backward(const attn::Params& p, cudaStream_t stream, bool delta_ready = false) {
-    static bool configured = false;
-    if (cudaError_t e = tk::allow_smem(attn::attn_bwd_kernel, attn::BWD_SMEM, configured)) return e;
+// the same cu_seqlens and window left them (p.delta: a heads x positions fp32 workspace; p.ds:
+// attention_ds_bytes). delta_ready: p.delta already holds rowsum(dout * out) (the output gate's
+// backward writes it).
+inline cudaError_t attention_backward(attn::Params p, cudaStream_t stream, bool delta_ready = false) {
+    static bool configured_dkdv = false, configured_dq = false;
+    if (cudaError_t e = tk::allow_smem(attn::attn_bwd_dkdv_kernel, attn::BWD_SMEM, configured_dkdv)) return e;
+    if (cudaError_t e = tk::allow_smem(attn::attn_bwd_dq_kernel, attn::DQ_SMEM, configured_dq)) return e;
+    if (!p.ds) return cudaErrorInvalidValue;
+    p.ds_slots = attn::ds_slots(p.positions, p.window);
     const int64_t warps = (int64_t)p.positions * p.heads;
     if (!delta_ready) attn::attn_bwd_delta_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, stream>>>(p);
-    attn::attn_bwd_kernel<<<dim3(2 * attn::max_tiles(p.positions, p.cu_len), p.heads), attn::THREADS, attn::BWD_SMEM, stream>>>(p);
+    const dim3 grid(attn::max_tiles(p.positions, p.cu_len), p.heads);
+    attn::attn_bwd_dkdv_kernel<<<grid, attn::THREADS, attn::BWD_SMEM, stream>>>(p);
+    attn::attn_bwd_dq_kernel<<<grid, attn::THREADS, attn::DQ_SMEM, stream>>>(p);
     return cudaGetLastError();
 }
 
@@ -760,13 +824,6 @@ __device__ __forceinline__ float softcap(const Params& p, float nic, float x) {
     return __fdividef(p.a, 1.f + __expf((x + p.b) * nic));
 }
 
-// 2^x on the SFU (ex2.approx: 2 ulp; exp2f adds range fix-ups this pass does not need)
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 __device__ __forceinline__ float block_sum(float v, float* red) {
     v = tk::warp_sum(v);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -794,7 +851,7 @@ __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) 
     float sum = 0.f;
     auto add8 = [&](const float f[8]) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) sum += fast_exp2(__fdividef(aL, 1.f + fast_exp2(fmaf(f[e], A1, B1))));
+        for (int e = 0; e < 8; ++e) sum += tk::fast_exp2(__fdividef(aL, 1.f + tk::fast_exp2(fmaf(f[e], A1, B1))));
     };
     int v = threadIdx.x;
     for (; v + THREADS < nvec; v += 2 * THREADS) {  // two loads in flight
@@ -889,9 +946,9 @@ __global__ void __launch_bounds__(256, 3) grad_fp8_kernel(const Params p, uint8_
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 const float x = __uint_as_float(e % 2 ? w[e / 2] & 0xffff0000u : w[e / 2] << 16);
-                const float z = __fdividef(p.a, 1.f + fast_exp2(fmaf(x, A1, B1)));  // softcap
+                const float z = __fdividef(p.a, 1.f + tk::fast_exp2(fmaf(x, A1, B1)));  // softcap
                 tz[e] = fmaf(-z * inv_a, z, z);                                 // z (1 - z/a): d softcap / c
-                g[e] = fast_exp2(fmaf(z, L2E, -off[i])) * tz[e];
+                g[e] = tk::fast_exp2(fmaf(z, L2E, -off[i])) * tz[e];
             }
             bool hit = false;
 #pragma unroll

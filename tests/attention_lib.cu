@@ -31,6 +31,17 @@ extern "C" int attn_backward(const void* q, const void* k, const void* v, long l
     p.dq = (__nv_bfloat16*)dq, p.dk = (__nv_bfloat16*)dk, p.dv = (__nv_bfloat16*)dv;
     p.dq_stride = p.dk_stride = p.dv_stride = o_stride;
     p.delta = delta;
+    // the dS^T workspace: kept between calls, grown as the shapes need
+    static void* ds = nullptr;
+    static size_t ds_bytes = 0;
+    const size_t need = attention_ds_bytes(positions, cu_len, heads, window);
+    if (need > ds_bytes) {
+        if (ds && cudaFree(ds) != cudaSuccess) return 1;
+        ds = nullptr, ds_bytes = 0;
+        if (cudaError_t e = cudaMalloc(&ds, need)) return (int)e;
+        ds_bytes = need;
+    }
+    p.ds = (__nv_bfloat16*)ds;
     return (int)attention_backward(p, (cudaStream_t)stream);
 }
 

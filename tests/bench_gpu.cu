@@ -50,7 +50,7 @@ struct DeviceBatch {
     int cu_len = 0;
     DeviceBatch(int T, std::mt19937_64& rng) {
         std::lognormal_distribution<double> len(std::log(450.0), 0.9);
-        cu_len = (int)next_multiple_of_n(T / 300, 128);
+        cu_len = (int)max_num_docs_of(T);
         const DocumentBatch b = document_batch(rng, len, T, cu_len);
         CUDA_CHECK(cudaMalloc(&tokens, b.tokens.size() * 4));
         CUDA_CHECK(cudaMalloc(&cu, b.cu.size() * 4));

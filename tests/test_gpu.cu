@@ -216,8 +216,10 @@ static void attention_case(const char* name, std::vector<int> lens, int cu_len, 
     DeviceArray<float> lse((size_t)P * heads), delta((size_t)P * heads);
     DeviceArray<int> dcu(cu);
     DeviceArray<unsigned char> tiles(attention_tiles_bytes(P, (int)cu.size()));
+    DeviceArray<uint16_t> ds(attention_ds_bytes(P, (int)cu.size(), heads, window) / 2);
     attn::Params p{};
     p.tiles = reinterpret_cast<int4*>(tiles.ptr);
+    p.ds = reinterpret_cast<__nv_bfloat16*>(ds.ptr);
     auto bf = [](uint16_t* x) { return reinterpret_cast<__nv_bfloat16*>(x); };
     p.q = bf(dqkv.ptr) + off_q, p.k = bf(dqkv.ptr) + off_k, p.v = bf(dqkv.ptr) + off_v;
     p.q_stride = p.k_stride = p.v_stride = stride;
@@ -233,7 +235,7 @@ static void attention_case(const char* name, std::vector<int> lens, int cu_len, 
     std::vector<float> first_lse;
     bool same = true;
     for (int run = 0; run < 2; ++run) {
-        for (auto* a : {&o, &dq, &dk, &dv}) a->poison();
+        for (auto* a : {&o, &dq, &dk, &dv, &ds}) a->poison();
         lse.poison();
         CUDA_CHECK(attention_forward(p, 0));
         CUDA_CHECK(attention_backward(p, 0));
