@@ -2008,20 +2008,19 @@ class Model {
         emb_ = bf(TE * D), xs_ = bf(TE * D), x0_ = bf(TE * D), x_last_ = bf(TE * D), x_back_ = bf(TE * D), xn_ = bf(TE * D);
         rstd0_ = alloc<float>(TE), rstd_f_ = alloc<float>(TE);
         for (auto& v : ve_) v = bf(TE * D);
-        // v: a buffer of its own only where the paired-head layout needs it contiguous; elsewhere
-        // attention reads it in place from the QKV projection
-        auto make_layer = [&](Layer& l, int64_t n, bool attention, bool own_v) {
+        // v stays in place in the QKV projection (attention reads the paired layout's half rows there)
+        auto make_layer = [&](Layer& l, int64_t n, bool attention) {
             l.x_in = bf(n * D), l.x_mix = bf(n * D), l.xn_m = bf(n * D);
             l.x_attn = attention ? bf(n * D) : l.x_mix;  // no attention: x_attn is x_mix
             l.pre = bf(n * 4 * D), l.post = bf(n * 4 * D);
             l.rstd_a = alloc<float>(n), l.rstd_m = alloc<float>(n);
             if (!attention) return;
-            l.xn_a = bf(n * D), l.qkv = bf(n * 3 * D), l.q = bf(n * D), l.k = bf(n * D), l.v = own_v ? bf(n * D) : nullptr;
+            l.xn_a = bf(n * D), l.qkv = bf(n * 3 * D), l.q = bf(n * D), l.k = bf(n * D);
             l.y = bf(n * D), l.yg = bf(n * D), l.lse = alloc<float>(NUM_HEADS * n);
         };
-        for (int i = 0; i < NUM_LAYERS; ++i) make_layer(layers_[i], T, has_attention(i), paired_head(i));
+        for (int i = 0; i < NUM_LAYERS; ++i) make_layer(layers_[i], T, has_attention(i));
         if (max_eval_tokens > 0) {
-            for (Layer& l : eval_) make_layer(l, max_eval_tokens, true, true);
+            for (Layer& l : eval_) make_layer(l, max_eval_tokens, true);
             eval_skip_ = bf((int64_t)max_eval_tokens * D), eval_back_ = bf((int64_t)max_eval_tokens * D);
         }
         wqkv_ = bf(3 * D * D), wo_ = bf(D * D);
@@ -2042,7 +2041,7 @@ class Model {
         losses_ = alloc<float>(TE), lse_ = alloc<float>(LOGIT_ROWS), loss_ = alloc<float>(1), bad_ = alloc<int>(1);
         // backward workspaces
         dx_ = bf(T * D), dx0_ = bf(T * D), dskip_ = bf(T * D), dback_ = bf(T * D), dxn_ = bf(T * D);
-        dy_ = bf(T * D), dyg_ = bf(T * D), dq_ = bf(T * D), dk_ = bf(T * D), dv_ = bf(T * D), dqkv_ = bf(T * 3 * D);
+        dy_ = bf(T * D), dyg_ = bf(T * D), dq_ = bf(T * D), dk_ = bf(T * D), dqkv_ = bf(T * 3 * D);
         dpost_ = bf(T * 4 * D), dpre_ = bf(T * 4 * D), dxn_head_ = bf(T * D), demb_ = bf(T * D);
         for (auto& v : dve_) v = bf(T * D);
         dw_ = alloc<float>(3 * D * D), delta_ = alloc<float>(NUM_HEADS * 2 * T), dz_ = alloc<float>(NUM_HEADS * T);
@@ -2195,7 +2194,7 @@ class Model {
 
     struct Layer {
         __nv_bfloat16 *x_in, *x_mix, *x_attn, *xn_m, *pre, *post;           // every layer
-        __nv_bfloat16 *xn_a = nullptr, *qkv = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *y = nullptr,
+        __nv_bfloat16 *xn_a = nullptr, *qkv = nullptr, *q = nullptr, *k = nullptr, *y = nullptr,
                       *yg = nullptr;                                        // attention layers
         float *rstd_a = nullptr, *rstd_m = nullptr, *lse = nullptr;
     };
@@ -2233,24 +2232,24 @@ class Model {
         g.ld_a = g.ld_b = g.ld_out = g.ld_dout = g.ld_da = g.ld_db = MODEL_DIM;
         return g;
     }
-    // layer i's v and its gradient, rows of value_ld(i): in place in the QKV projection and its
-    // gradient, or for the paired-head layout (positions of half rows) contiguous buffers of their own
-    int64_t value_ld(int i) { return paired_head(i) ? MODEL_DIM : 3 * MODEL_DIM; }
-    __nv_bfloat16* value(int i) { return paired_head(i) ? layer(i).v : layer(i).qkv + 2 * MODEL_DIM; }
-    __nv_bfloat16* value_grad(int i) { return paired_head(i) ? dv_ : dqkv_ + 2 * MODEL_DIM; }
+    // layer i's v and its gradient, in place in the QKV projection and its gradient (token rows of
+    // 3 * 768); the paired layout's 2T positions are their half rows
+    static constexpr int64_t VALUE_LD = 3 * MODEL_DIM;
+    __nv_bfloat16* value(int i) { return layer(i).qkv + 2 * MODEL_DIM; }
+    __nv_bfloat16* value_grad() { return dqkv_ + 2 * MODEL_DIM; }
     attn::Params attn_params(int i) {
         Layer& l = layer(i);
         const bool paired = paired_head(i);
         const int64_t stride = paired ? MODEL_DIM / 2 : MODEL_DIM;
         attn::Params ap{};
         ap.q = l.q, ap.k = l.k, ap.v = value(i), ap.q_stride = ap.k_stride = stride;
-        ap.v_stride = paired ? value_ld(i) / 2 : value_ld(i);
+        ap.v_stride = VALUE_LD, ap.v_shift = paired ? 1 : 0, ap.v_half = paired ? MODEL_DIM / 2 : 0;
         ap.o = l.y, ap.o_stride = stride, ap.lse = l.lse;
         ap.cu_seqlens = cu_, ap.cu_len = cu_len_, ap.cu_mult = paired ? 2 : 1;
         ap.positions = paired ? 2 * T_ : T_, ap.heads = paired ? NUM_HEADS / 2 : NUM_HEADS;
         ap.window = (int)((long_window(i) ? fa_.ws_long : fa_.ws_short) * args_.block_size);
         ap.scale = (float)fa_.yarn.attn_scale, ap.tiles = tiles_, ap.ds = ds_;
-        ap.dout = dy_, ap.dout_stride = stride, ap.dq = dq_, ap.dk = dk_, ap.dv = value_grad(i);
+        ap.dout = dy_, ap.dout_stride = stride, ap.dq = dq_, ap.dk = dk_, ap.dv = value_grad();
         ap.dq_stride = ap.dk_stride = stride, ap.dv_stride = ap.v_stride, ap.delta = delta_;
         return ap;
     }
@@ -2278,10 +2277,9 @@ class Model {
         gemms_.bf16(s, Op::N, Op::T, T, 3 * D, D, l.xn_a, D, wqkv_, D, l.qkv, 3 * D, false);
         CUDA_CHECK(qk_norm_rope_forward(rope_params(i), s));
         __nv_bfloat16* v = value(i);
-        if (v == l.v) CUDA_CHECK(cudaMemcpy2DAsync(l.v, D * 2, l.qkv + 2 * D, 3 * D * 2, D * 2, T, cudaMemcpyDeviceToDevice, s));
         if (has_value_embed(i)) {
             gate::Params vg = head_gate(i, ve_gate_w(i));
-            vg.a = v, vg.ld_a = value_ld(i), vg.b = ve_[LAYERS[i].ve];
+            vg.a = v, vg.ld_a = VALUE_LD, vg.b = ve_[LAYERS[i].ve];
             CUDA_CHECK(gate_forward(GateKind::ValueEmbedding, vg, s));
         }
         profile_mark(Part::Attention, s);
@@ -2324,16 +2322,15 @@ class Model {
         CUDA_CHECK(attention_backward(ap, s, true));
         profile_mark(Part::Elementwise, s);
         // value-embedding gate: v passes through; dve and the gate's input gradient
-        const __nv_bfloat16* dv = value_grad(i);
+        const __nv_bfloat16* dv = value_grad();
         if (has_value_embed(i)) {
             gate::Params vg = head_gate(i, ve_gate_w(i));
-            vg.b = ve_[LAYERS[i].ve], vg.dout = dv, vg.ld_dout = value_ld(i), vg.db = dve_[LAYERS[i].ve];
+            vg.b = ve_[LAYERS[i].ve], vg.dout = dv, vg.ld_dout = VALUE_LD, vg.db = dve_[LAYERS[i].ve];
             vg.dz = dz_;
             CUDA_CHECK(gate_backward(GateKind::ValueEmbedding, vg, dxn_, D, ve_gate_grad(i), nullptr, s));
         }
-        // dqkv: q, k through the rope and the QK norm; v copied back
+        // dqkv: q, k through the rope and the QK norm (attention wrote dv in place)
         CUDA_CHECK(qk_norm_rope_backward(rope_params(i), s));
-        if (dv == dv_) CUDA_CHECK(cudaMemcpy2DAsync(dqkv_ + 2 * D, 3 * D * 2, dv_, D * 2, D * 2, T, cudaMemcpyDeviceToDevice, s));
         // QKV projection with W'qkv = sa0 Wqkv
         CUDA_CHECK(scale_weight(wqkv_, attn_w(i), 3 * D * D, scalars + SCALAR_SA + 2 * i, s));
         gemms_.bf16(s, Op::N, Op::N, T, D, 3 * D, dqkv_, 3 * D, wqkv_, D, dxn_, D, false, 1.f, 1.f);
@@ -2426,7 +2423,7 @@ class Model {
     size_t ds_bytes_ = 0;
     int max_window_ = 0;
     uint8_t *xf8_, *xf8t_, *wf8t_, *wf8_, *gf8_, *gf8t_;
-    __nv_bfloat16 *dx_, *dx0_, *dskip_, *dback_, *dxn_, *dy_, *dyg_, *dq_, *dk_, *dv_, *dqkv_, *dpost_, *dpre_,
+    __nv_bfloat16 *dx_, *dx0_, *dskip_, *dback_, *dxn_, *dy_, *dyg_, *dq_, *dk_, *dqkv_, *dpost_, *dpre_,
         *dxn_head_, *demb_, *dve_[NUM_VALUE_EMBEDS];
     float *dw_, *delta_, *dz_, *dlam_rows_, *partial_, *gate_partial_;
     std::unique_ptr<EmbeddingBackward> embed_bwd_;

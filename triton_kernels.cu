@@ -246,6 +246,12 @@ struct Params {
     int heads;
     int window;      // left window in positions
     float scale;     // softmax scale
+    // v's and dv's rows: position p at row p >> v_shift (rows v_stride, dv_stride apart), plus
+    // (p & v_shift) * v_half elements: 1 and 384 read the paired layout's 2T positions in place
+    // from T token rows of 768 (position 2t the row's first half, 2t + 1 its second); 0: one row
+    // per position
+    int v_shift;
+    int64_t v_half;
     // backward
     const __nv_bfloat16* dout;
     int64_t dout_stride;
@@ -321,9 +327,14 @@ __device__ __forceinline__ uint32_t tile_addr(uint32_t base, int row, int col) {
     return base + (col >> 6) * (BLOCK * 128) + row * 128 + ((((col >> 3) & 7) ^ (row & 7)) << 4) + (col & 7) * 2;
 }
 
+// element offset of position g's row: g >> shift rows of stride, plus (g & shift) * half (shift 0 or 1)
+__device__ __forceinline__ int64_t row_offset(int g, int64_t stride, int shift, int64_t half) {
+    return (int64_t)(g >> shift) * stride + (g & shift) * half;
+}
+
 // Async copy of rows [row0, row0 + 64) of one head into a tile; rows >= row_end are zeros.
 __device__ __forceinline__ void load_tile(uint32_t smem, const __nv_bfloat16* base, int64_t stride, int row0,
-                                          int row_end) {
+                                          int row_end, int shift = 0, int64_t half = 0) {
     const int tid = threadIdx.x;
     const int chunk = tid & 15;
 #pragma unroll
@@ -331,7 +342,7 @@ __device__ __forceinline__ void load_tile(uint32_t smem, const __nv_bfloat16* ba
         int r = (tid >> 4) + i * (THREADS / 16);
         int g = row0 + r;
         bool ok = g < row_end;
-        const __nv_bfloat16* src = base + (ok ? (int64_t)g * stride + chunk * 8 : 0);
+        const __nv_bfloat16* src = base + (ok ? row_offset(g, stride, shift, half) + chunk * 8 : 0);
         tk::cp_async16(tile_addr(smem, r, chunk * 8), src, ok ? 16 : 0);
     }
 }
@@ -375,18 +386,17 @@ __device__ __forceinline__ void settle(float acc[16][4], uint32_t pf[4][4]) {
 
 // Stores a warp's 16 x 128 fp32 accumulator rows as bf16 (times mul); rows >= row_end are skipped.
 __device__ __forceinline__ void store_rows(__nv_bfloat16* base, int64_t stride, int row0, int row_end,
-                                           const float acc[16][4], float mul_lo, float mul_hi) {
+                                           const float acc[16][4], float mul_lo, float mul_hi, int shift = 0,
+                                           int64_t half = 0) {
     const int lane = threadIdx.x & 31;
     const int r = row0 + (lane >> 2);
+    __nv_bfloat16* lo = base + row_offset(r, stride, shift, half);
+    __nv_bfloat16* hi = base + row_offset(r + 8, stride, shift, half);
 #pragma unroll
     for (int dt = 0; dt < 16; ++dt) {
         int c = dt * 8 + (lane & 3) * 2;
-        if (r < row_end)
-            *reinterpret_cast<uint32_t*>(base + (int64_t)r * stride + c) =
-                tk::pack_bf16(acc[dt][0] * mul_lo, acc[dt][1] * mul_lo);
-        if (r + 8 < row_end)
-            *reinterpret_cast<uint32_t*>(base + (int64_t)(r + 8) * stride + c) =
-                tk::pack_bf16(acc[dt][2] * mul_hi, acc[dt][3] * mul_hi);
+        if (r < row_end) *reinterpret_cast<uint32_t*>(lo + c) = tk::pack_bf16(acc[dt][0] * mul_lo, acc[dt][1] * mul_lo);
+        if (r + 8 < row_end) *reinterpret_cast<uint32_t*>(hi + c) = tk::pack_bf16(acc[dt][2] * mul_hi, acc[dt][3] * mul_hi);
     }
 }
 
@@ -448,7 +458,7 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* sm
 
     load_tile(sQ, qh, p.q_stride, q0, s1);
     load_tile(sK, kh, p.k_stride, kb_first, s1);
-    load_tile(sV, vh, p.v_stride, kb_first, s1);
+    load_tile(sV, vh, p.v_stride, kb_first, s1, p.v_shift, p.v_half);
     tk::cp_async_commit();
 
     const float sl2 = p.scale * LOG2E;
@@ -473,7 +483,7 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* sm
         __syncthreads();  // every warp is done with the other buffers: refill them
         if (nb + 1 < nblocks) {
             load_tile(sK + (buf ^ 1) * TILE_BYTES, kh, p.k_stride, k0 + BLOCK, s1);
-            load_tile(sV + (buf ^ 1) * TILE_BYTES, vh, p.v_stride, k0 + BLOCK, s1);
+            load_tile(sV + (buf ^ 1) * TILE_BYTES, vh, p.v_stride, k0 + BLOCK, s1, p.v_shift, p.v_half);
             tk::cp_async_commit();
         }
 
@@ -583,7 +593,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
     const int nblocks = (q_hi - k0 + BLOCK - 1) / BLOCK;
 
     load_tile(sK, p.k + h * D, p.k_stride, k0, s1);
-    load_tile(sV, p.v + h * D, p.v_stride, k0, s1);
+    load_tile(sV, p.v + h * D, p.v_stride, k0, s1, p.v_shift, p.v_half);
     load_tile(sQ, qh, p.q_stride, k0, s1);
     load_tile(sO, doh, p.dout_stride, k0, s1);
     tk::cp_async_commit();
@@ -650,7 +660,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
     settle(dv, pf);
     settle(dk, dsf);
     store_rows(p.dk + h * D, p.dk_stride, k0 + warp * 16, s1, dk, p.scale, p.scale);
-    store_rows(p.dv + h * D, p.dv_stride, k0 + warp * 16, s1, dv, 1.f, 1.f);
+    store_rows(p.dv + h * D, p.dv_stride, k0 + warp * 16, s1, dv, 1.f, 1.f, p.v_shift, p.v_half);
 }
 
 // ---- backward dQ: one CTA per (64-query tile, head), over the key tiles it sees ----

@@ -153,19 +153,23 @@ struct DeviceArray {
     void poison() { CUDA_CHECK(cudaMemset(ptr, 0xff, n * sizeof(T))); }  // NaN in bf16 and fp32
 };
 
-// gathers a (positions, heads, 128) view with a position stride into a contiguous float array
-static std::vector<float> gather(const std::vector<uint16_t>& buf, int64_t offset, int64_t stride, int positions, int heads) {
+// gathers a (positions, heads, 128) view with a position stride into a contiguous float array;
+// shift 1: position i at row i / 2, plus half elements for odd i (attn::Params' v_shift, v_half)
+static std::vector<float> gather(const std::vector<uint16_t>& buf, int64_t offset, int64_t stride, int positions, int heads,
+                                 int shift = 0, int64_t half = 0) {
     std::vector<float> out((size_t)positions * heads * 128);
     for (int i = 0; i < positions; ++i)
         for (int h = 0; h < heads; ++h)
             for (int d = 0; d < 128; ++d)
-                out[((size_t)i * heads + h) * 128 + d] = bf16_to_float(buf[offset + (int64_t)i * stride + h * 128 + d]);
+                out[((size_t)i * heads + h) * 128 + d] =
+                    bf16_to_float(buf[offset + (int64_t)(i >> shift) * stride + (i & shift) * half + h * 128 + d]);
     return out;
 }
 
 // One attention case: `lens` are the sequence lengths in tokens (0 allowed), padded with repeated
-// final entries to `cu_len` entries. paired: 3 heads over 2T positions (cu_seqlens doubled),
-// else 6 heads over T with q, k, v views of one QKV buffer.
+// final entries to `cu_len` entries. paired: 3 heads over 2T positions (cu_seqlens doubled), q
+// and k contiguous, v and dv read and written in place as half rows of (T, 3 * 768) QKV-like
+// buffers (as the model has them); else 6 heads over T with q, k, v views of one QKV buffer.
 static void attention_case(const char* name, std::vector<int> lens, int cu_len, bool paired, int window, float scale,
                            uint64_t seed) {
     std::vector<int> cu = {0};
@@ -177,12 +181,13 @@ static void attention_case(const char* name, std::vector<int> lens, int cu_len, 
     // separate contiguous (2T, 3, 128) buffers carved from it)
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> nd(0.f, 1.f);
-    std::vector<uint16_t> qkv((size_t)T * 18 * 128);
+    std::vector<uint16_t> qkv((size_t)T * 18 * 128 * (paired ? 2 : 1));
     for (auto& x : qkv) x = float_to_bf16(nd(rng));
     std::vector<uint16_t> dout_h((size_t)P * heads * 128);
     for (auto& x : dout_h) x = float_to_bf16(nd(rng) * 0.1f);
-    int64_t off_q, off_k, off_v, stride;
-    if (paired) off_q = 0, off_k = (int64_t)T * 768, off_v = 2 * (int64_t)T * 768, stride = 384;
+    int64_t off_q, off_k, off_v, stride, v_stride = 2304, v_half = paired ? 384 : 0;
+    const int v_shift = paired ? 1 : 0;
+    if (paired) off_q = 0, off_k = (int64_t)T * 768, off_v = 3 * (int64_t)T * 768 + 1536, stride = 384;
     else off_q = 0, off_k = 768, off_v = 1536, stride = 2304;
 
     // reference
@@ -190,7 +195,7 @@ static void attention_case(const char* name, std::vector<int> lens, int cu_len, 
     for (size_t s = 0; s + 1 < cu.size(); ++s)
         for (int i = cu[s] * mult; i < cu[s + 1] * mult; ++i) lo[i] = cu[s] * mult, hi[i] = cu[s + 1] * mult;
     DeviceArray<float> rq(gather(qkv, off_q, stride, P, heads)), rk(gather(qkv, off_k, stride, P, heads)),
-        rv(gather(qkv, off_v, stride, P, heads)), rdo(gather(dout_h, 0, heads * 128, P, heads));
+        rv(gather(qkv, off_v, v_stride, P, heads, v_shift, v_half)), rdo(gather(dout_h, 0, heads * 128, P, heads));
     DeviceArray<int> dlo(lo), dhi(hi);
     RefArgs ra{rq.ptr, rk.ptr, rv.ptr, rdo.ptr, dlo.ptr, dhi.ptr, P, heads, window, scale};
     const size_t n = (size_t)P * heads * 128;
@@ -212,7 +217,8 @@ static void attention_case(const char* name, std::vector<int> lens, int cu_len, 
     CUDA_CHECK(cudaGetLastError());
 
     // ours
-    DeviceArray<uint16_t> dqkv(qkv), ddo(dout_h), o(n), dq(n), dk(n), dv(n);
+    // dv: in the v columns of a (T, 2304) buffer where paired, else (P, heads, 128)
+    DeviceArray<uint16_t> dqkv(qkv), ddo(dout_h), o(n), dq(n), dk(n), dv(paired ? (size_t)T * 2304 : n);
     DeviceArray<float> lse((size_t)P * heads), delta((size_t)P * heads);
     DeviceArray<int> dcu(cu);
     DeviceArray<unsigned char> tiles(attention_tiles_bytes(P, (int)cu.size()));
@@ -222,14 +228,15 @@ static void attention_case(const char* name, std::vector<int> lens, int cu_len, 
     p.ds = reinterpret_cast<__nv_bfloat16*>(ds.ptr);
     auto bf = [](uint16_t* x) { return reinterpret_cast<__nv_bfloat16*>(x); };
     p.q = bf(dqkv.ptr) + off_q, p.k = bf(dqkv.ptr) + off_k, p.v = bf(dqkv.ptr) + off_v;
-    p.q_stride = p.k_stride = p.v_stride = stride;
+    p.q_stride = p.k_stride = stride, p.v_stride = paired ? v_stride : stride;
+    p.v_shift = v_shift, p.v_half = v_half;
     p.o = bf(o.ptr), p.o_stride = heads * 128;
     p.lse = lse.ptr;
     p.cu_seqlens = dcu.ptr, p.cu_len = (int)cu.size(), p.cu_mult = mult;
     p.positions = P, p.heads = heads, p.window = window, p.scale = scale;
     p.dout = bf(ddo.ptr), p.dout_stride = heads * 128;
-    p.dq = bf(dq.ptr), p.dk = bf(dk.ptr), p.dv = bf(dv.ptr);
-    p.dq_stride = p.dk_stride = p.dv_stride = heads * 128;
+    p.dq = bf(dq.ptr), p.dk = bf(dk.ptr), p.dv = bf(dv.ptr) + (paired ? 1536 : 0);
+    p.dq_stride = p.dk_stride = heads * 128, p.dv_stride = paired ? v_stride : heads * 128;
     p.delta = delta.ptr;
     std::vector<std::vector<uint16_t>> first;
     std::vector<float> first_lse;
@@ -252,7 +259,8 @@ static void attention_case(const char* name, std::vector<int> lens, int cu_len, 
     };
     double e_o = rel_err(widen(first[0]), ro.download()), e_lse = rel_err(first_lse, rlse.download()),
            e_dq = rel_err(widen(first[1]), rdq.download()), e_dk = rel_err(widen(first[2]), rdk.download()),
-           e_dv = rel_err(widen(first[3]), rdv.download());
+           e_dv = rel_err(paired ? gather(first[3], 1536, v_stride, P, heads, v_shift, v_half) : widen(first[3]),
+                          rdv.download());
     printf("  %-34s T=%6d %s w=%-6d  rel err: out %.1e lse %.1e dq %.1e dk %.1e dv %.1e%s\n", name, T,
            paired ? "paired" : "6 head", window, e_o, e_lse, e_dq, e_dk, e_dv, same ? "" : "  NOT DETERMINISTIC");
     CHECK(e_o < 1e-2 && e_lse < 1e-4 && e_dq < 1e-2 && e_dk < 1e-2 && e_dv < 1e-2,
