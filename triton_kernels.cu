@@ -277,9 +277,12 @@ __host__ __device__ inline int max_tiles(int positions, int cu_len) { return pos
 __host__ __device__ inline int ds_slots(int positions, int window) {
     return window / BLOCK + 2 < positions / BLOCK + 2 ? window / BLOCK + 2 : positions / BLOCK + 2;
 }
-__device__ __forceinline__ __nv_bfloat16* ds_tile(const Params& p, int h, int k0, int seq, int slot) {
+__host__ __device__ __forceinline__ int64_t ds_index(const Params& p, int h, int k0, int seq, int slot) {
     const int64_t id = (int64_t)h * max_tiles(p.positions, p.cu_len) + k0 / BLOCK + seq;
-    return p.ds + (id * p.ds_slots + slot) * (BLOCK * BLOCK);
+    return id * p.ds_slots + slot;
+}
+__device__ __forceinline__ __nv_bfloat16* ds_tile(const Params& p, int h, int k0, int seq, int slot) {
+    return p.ds + ds_index(p, h, k0, seq, slot) * (BLOCK * BLOCK);
 }
 
 constexpr int SCHED_BUCKETS = 128;
@@ -429,11 +432,17 @@ __device__ __forceinline__ bool in_range(ColumnRange r, int c) { return c >= r.l
 
 // The key tiles the query tile [q0, q0 + 64) of sequence [s0, s1) sees: nblocks from kb_first
 // (tiles aligned to the sequence start).
-__device__ __forceinline__ void key_blocks(const Params& p, int s0, int s1, int q0, int& kb_first, int& nblocks) {
+__host__ __device__ __forceinline__ void key_blocks(const Params& p, int s0, int s1, int q0, int& kb_first, int& nblocks) {
     const int q_end = min(q0 + BLOCK, s1);
     const int k_lo = max(s0, q0 - p.window);
     kb_first = s0 + (k_lo - s0) / BLOCK * BLOCK;
     nblocks = (q_end - kb_first + BLOCK - 1) / BLOCK;
+}
+// The query tiles that see the key tile [k0, k0 + 64) of a sequence ending at s1: k0, k0 + 64, ..
+__host__ __device__ __forceinline__ int query_blocks(const Params& p, int s1, int k0) {
+    const int k_end = min(k0 + BLOCK, s1);
+    const int q_hi = (int)min((int64_t)s1, (int64_t)k_end + p.window);  // queries [k0, q_hi) see this tile
+    return (q_hi - k0 + BLOCK - 1) / BLOCK;
 }
 // whether some (query, key) pair of the tiles is not visible: past the diagonal, out of the
 // window, or a key past the sequence end
@@ -588,9 +597,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
     const float* lse_h = p.lse + (int64_t)h * p.positions;
     const float* delta_h = p.delta + (int64_t)h * p.positions;
 
-    const int k_end = min(k0 + BLOCK, s1);
-    const int q_hi = (int)min((int64_t)s1, (int64_t)k_end + p.window);  // queries [k0, q_hi) see this tile
-    const int nblocks = (q_hi - k0 + BLOCK - 1) / BLOCK;
+    const int nblocks = query_blocks(p, s1, k0);
 
     load_tile(sK, p.k + h * D, p.k_stride, k0, s1);
     load_tile(sV, p.v + h * D, p.v_stride, k0, s1, p.v_shift, p.v_half);

@@ -9,6 +9,7 @@
 #include "testing.h"
 
 #include <chrono>
+#include <unordered_set>
 #include <sstream>
 
 static std::string g_tmp, g_python = "python3", g_binary;
@@ -647,6 +648,63 @@ static void test_step_plan() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// attention's tile bookkeeping (host-callable, the kernels' own functions): the backward's dK/dV
+// pass stores each (key tile, query tile) pair's dS^T where the dQ pass reads it
+
+static void test_attention_tiles() {
+    std::mt19937_64 rng(23);
+    const int windows[] = {1, 63, 64, 65, 130, 384, 1408, 1664, 100000};
+    const int lens[] = {0, 1, 2, 63, 64, 65, 127, 128, 129, 300, 450, 900, 2048};
+    for (int trial = 0; trial < 36; ++trial) {
+        const int mult = trial % 2 ? 2 : 1, window = windows[trial % 9];
+        std::vector<int> cu = {0};
+        const int total = 1000 + (int)(rng() % 4000);
+        while (cu.back() < total) cu.push_back(cu.back() + lens[rng() % 13]);
+        for (int pad = (int)(rng() % 4); pad > 0; --pad) cu.push_back(cu.back());  // padded as the loader pads
+        attn::Params p{};
+        p.positions = cu.back() * mult, p.cu_len = (int)cu.size(), p.cu_mult = mult, p.window = window;
+        p.ds_slots = attn::ds_slots(p.positions, window);
+        const int mt = attn::max_tiles(p.positions, p.cu_len);
+        auto key = [](int64_t a, int64_t b) { return a * 4000000 + b; };
+        std::unordered_set<int64_t> written, dkdv_pairs, dq_pairs;
+        bool bounds = true, unique = true, read_written = true, covered = true;
+        for (int s = 0; s + 1 < p.cu_len; ++s) {  // the dK/dV pass: key tiles, the query tiles that see them
+            const int a = cu[s] * mult, e = cu[s + 1] * mult;
+            for (int k0 = a; k0 < e; k0 += attn::BLOCK)
+                for (int nb = 0; nb < attn::query_blocks(p, e, k0); ++nb) {
+                    bounds &= nb < p.ds_slots && k0 / attn::BLOCK + s < mt;
+                    unique &= written.insert(attn::ds_index(p, 0, k0, s, nb)).second;
+                    dkdv_pairs.insert(key(k0, k0 + nb * attn::BLOCK));
+                }
+        }
+        bounds &= attn::ds_index(p, 1, 0, 0, 0) >= (int64_t)mt * p.ds_slots;  // heads do not overlap
+        for (int s = 0; s + 1 < p.cu_len; ++s) {  // the dQ pass: query tiles, the key tiles they see
+            const int a = cu[s] * mult, e = cu[s + 1] * mult;
+            for (int q0 = a; q0 < e; q0 += attn::BLOCK) {
+                int kb, n;
+                attn::key_blocks(p, a, e, q0, kb, n);
+                for (int nb = 0; nb < n; ++nb) {
+                    const int k0 = kb + nb * attn::BLOCK;
+                    read_written &= (q0 - k0) % attn::BLOCK == 0 && q0 >= k0 &&
+                                    written.count(attn::ds_index(p, 0, k0, s, (q0 - k0) / attn::BLOCK));
+                    dq_pairs.insert(key(k0, q0));
+                }
+            }
+            for (int i = a; i < e; ++i) {  // every visible (query, key) lies in a pair both passes visit
+                const int q0 = a + (i - a) / attn::BLOCK * attn::BLOCK, j_lo = std::max(a, i - window);
+                for (int k0 = a + (j_lo - a) / attn::BLOCK * attn::BLOCK; k0 <= i; k0 += attn::BLOCK)
+                    covered &= dkdv_pairs.count(key(k0, q0)) && dq_pairs.count(key(k0, q0));
+            }
+        }
+        const std::string what = strprintf("%d positions, %d sequences, window %d", p.positions, p.cu_len - 1, window);
+        CHECK(bounds, "%s: a slot past ds_slots, an id past max_tiles, or heads overlapping", what.c_str());
+        CHECK(unique, "%s: two tile pairs share a dS^T tile", what.c_str());
+        CHECK(read_written, "%s: the dQ pass reads a dS^T tile the dK/dV pass did not write", what.c_str());
+        CHECK(covered, "%s: a visible (query, key) pair outside the tiles a pass visits", what.c_str());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // the layer table: record 61's layout, and the banks sized from it
 
 static void test_layer_table() {
@@ -1121,6 +1179,7 @@ int main(int argc, char** argv) {
                                                          {"step plan", test_step_plan},
                                                          {"early plan", test_backward_reduce_plan},
                                                          {"layers", test_layer_table},
+                                                         {"attn tiles", test_attention_tiles},
                                                          {"init", test_init},
                                                          {"checkpoint", test_checkpoint_format},
                                                          {"rerun", test_logged_configuration},
