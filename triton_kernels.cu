@@ -275,7 +275,7 @@ __host__ __device__ inline int max_tiles(int positions, int cu_len) { return pos
 // A key tile's id within its head: tiles start at s0 + 64 t, so k0 / 64 plus the sequence index
 // grows from one tile to the next, across sequences too, and stays below max_tiles.
 __host__ __device__ inline int ds_slots(int positions, int window) {
-    return window / BLOCK + 2 < positions / BLOCK + 2 ? window / BLOCK + 2 : positions / BLOCK + 2;
+    return (window < positions ? window : positions) / BLOCK + 2;
 }
 __host__ __device__ __forceinline__ int64_t ds_index(const Params& p, int h, int k0, int seq, int slot) {
     const int64_t id = (int64_t)h * max_tiles(p.positions, p.cu_len) + k0 / BLOCK + seq;

@@ -177,8 +177,8 @@ static void attention_case(const char* name, std::vector<int> lens, int cu_len, 
     while ((int)cu.size() < cu_len) cu.push_back(cu.back());
     const int T = cu.back();
     const int mult = paired ? 2 : 1, heads = paired ? 3 : 6, P = T * mult;
-    // QKV buffer (T, 3 * 6, 128): q, k, v are views with position stride 3 * 768 (or, paired,
-    // separate contiguous (2T, 3, 128) buffers carved from it)
+    // QKV buffer (T, 3 * 6, 128): q, k, v are views with position stride 3 * 768 (or, paired, q and
+    // k contiguous (2T, 3, 128) buffers carved from it, v the half rows of a second (T, 2304) region)
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> nd(0.f, 1.f);
     std::vector<uint16_t> qkv((size_t)T * 18 * 128 * (paired ? 2 : 1));
@@ -228,7 +228,7 @@ static void attention_case(const char* name, std::vector<int> lens, int cu_len, 
     p.ds = reinterpret_cast<__nv_bfloat16*>(ds.ptr);
     auto bf = [](uint16_t* x) { return reinterpret_cast<__nv_bfloat16*>(x); };
     p.q = bf(dqkv.ptr) + off_q, p.k = bf(dqkv.ptr) + off_k, p.v = bf(dqkv.ptr) + off_v;
-    p.q_stride = p.k_stride = stride, p.v_stride = paired ? v_stride : stride;
+    p.q_stride = p.k_stride = stride, p.v_stride = v_stride;
     p.v_shift = v_shift, p.v_half = v_half;
     p.o = bf(o.ptr), p.o_stride = heads * 128;
     p.lse = lse.ptr;
