@@ -2099,13 +2099,16 @@ class Model {
                 sk.a = l.x_in, sk.b = skip_source();
                 CUDA_CHECK(gate_forward(GateKind::Skip, sk, s));
             }
-            CUDA_CHECK(combine(l.x_mix, l.x_in, x0_, TD, {scalars + SCALAR_RESID + i, 1.f, 0.f}, {x0_lambdas + i, 1.f, 0.f}, s,
-                               i > 0 && i != SKIP_OUT ? bad_ : nullptr, i - 1));
-            if (has_attention(i)) attention_forward_block(i, s);  // x_attn = x_mix + attention
+            // x_mix and its norm (attention's, or without attention the MLP's) in one pass
+            const bool attn = has_attention(i);
+            CUDA_CHECK(combine_norm(l.x_mix, l.x_in, x0_, T, D, {scalars + SCALAR_RESID + i, 1.f, 0.f},
+                                    {x0_lambdas + i, 1.f, 0.f}, attn ? l.xn_a : l.xn_m, attn ? l.rstd_a : l.rstd_m,
+                                    RMS_NORM_EPS, s, i > 0 && i != SKIP_OUT ? bad_ : nullptr, i - 1));
+            if (attn) attention_forward_block(i, s);  // x_attn = x_mix + attention
             else if (l.x_attn != l.x_mix) CUDA_CHECK(cudaMemcpyAsync(l.x_attn, l.x_mix, TD * 2, cudaMemcpyDeviceToDevice, s));
             // MLP: x += relu(norm(x) c_fc^T)^2 c_proj (ReLU^2: arXiv 2109.08668, suggested by @SKYLINEZ007 and
             // @Grad62304977)
-            CUDA_CHECK(rms_norm_forward(l.x_attn, D, l.xn_m, D, l.rstd_m, T, D, RMS_NORM_EPS, s));
+            if (attn) CUDA_CHECK(rms_norm_forward(l.x_attn, D, l.xn_m, D, l.rstd_m, T, D, RMS_NORM_EPS, s));
             gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, l.xn_m, D, c_fc(i), D, l.pre, 4 * D, false);
             CUDA_CHECK(relu_square_forward(l.pre, l.post, (int64_t)T * 4 * D, s));
             __nv_bfloat16* out = i + 1 < NUM_LAYERS ? layer(i + 1).x_in : x_last_;
@@ -2113,9 +2116,8 @@ class Model {
             x = out;
         }
         // back out the contribution of layers 0..BACKOUT_LAYER (only needed as context), then the final norm
-        CUDA_CHECK(combine(x_back_, x_last_, backout_source(), TD, {nullptr, 0.f, 1.f}, {scalars + SCALAR_BACKOUT, -1.f, 0.f}, s,
-                           bad_, NUM_LAYERS - 1));
-        CUDA_CHECK(rms_norm_forward(x_back_, D, xn_, D, rstd_f_, T, D, RMS_NORM_EPS, s));
+        CUDA_CHECK(combine_norm(x_back_, x_last_, backout_source(), T, D, {nullptr, 0.f, 1.f},
+                                {scalars + SCALAR_BACKOUT, -1.f, 0.f}, xn_, rstd_f_, RMS_NORM_EPS, s, bad_, NUM_LAYERS - 1));
         return head_and_loss(s);
     }
 
@@ -2271,7 +2273,7 @@ class Model {
         const int T = T_;
         const int64_t D = MODEL_DIM;
         float* scalars = (float*)p_["scalars"].data;
-        CUDA_CHECK(rms_norm_forward(l.x_mix, D, l.xn_a, D, l.rstd_a, T, D, RMS_NORM_EPS, s));
+        // (the caller made xn_a = norm(x_mix) with x_mix)
         // sa lambdas pre-multiply the QKV and O weights (@shenberg)
         CUDA_CHECK(scale_weight(wqkv_, attn_w(i), 3 * D * D, scalars + SCALAR_SA + 2 * i, s));
         gemms_.bf16(s, Op::N, Op::T, T, 3 * D, D, l.xn_a, D, wqkv_, D, l.qkv, 3 * D, false);

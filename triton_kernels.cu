@@ -44,6 +44,7 @@
 //   smear gate                                          gate       gate_forward / gate_backward, Smear
 //   skip gate                                           gate       gate_forward / gate_backward, Skip
 //   resid_lambdas x + x0_lambdas x0; backout            scal       combine / combine_backward
+//     (with the norm after them, in one pass)                      combine_norm
 //   norm(x)'s backward + the mixing's, in one pass      scal       norm_mix_backward
 //   sa_lambdas * qkvo_w (QKV's and O's)                 scal       scale_weight / scale_weight_backward
 //   losses.sum() (training); the mean loss (eval)       red        sum_floats
@@ -126,6 +127,14 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// tanh on the SFU (tanh.approx: relative error about 2^-11), one operation where the sigmoid takes an
+// exp2 and a reciprocal
+__device__ __forceinline__ float fast_tanh(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
 
@@ -909,12 +918,14 @@ __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) 
 // d lm_head = x^T g (fp8 GEMMs take K-major operands only). One pass over the logits instead of a
 // bf16 gradient and two casts of it. Rounds through bf16 first, as the record's bf16 gradient does.
 //
-// The pass is bound by the SFU (three exp/reciprocals per logit), so everything else is kept out of
-// the inner loop: the row's constants fold into one exponent offset, d = 2^(z log2e - off) with
-// off = lse log2e - log2(grad_scale wsum / c), and the targets' -w terms are applied only where a
-// thread's 8 columns hold a target. A CTA takes 64 rows and GT tiles of 128 columns; each thread
-// 4 rows x 8 columns, whose 4-row column slices go to shared memory as 32-bit words for the
-// transposed store. The next tile's logits are loaded before this tile's transposed store.
+// The pass is bound by the SFU, so it takes two of its operations per logit, not three: the soft-cap
+// as a (1 + t) / 2 with t = tanh((x + b) / 2c) on tanh.approx (relative error 2^-11, a hundred times
+// finer than e5m2's steps; the forward's loss and lse keep the exact sigmoid), then one exp2.
+// Everything else is kept out of the inner loop: the row's constants fold into one exponent offset,
+// d = 2^(t a log2e / 2 - off) (1 - t^2) with off = lse log2e - log2(grad_scale wsum a / 4c) - a log2e / 2,
+// and the targets' -w terms are applied only where a thread's 8 columns hold a target. A CTA takes
+// 64 rows and GT tiles of 128 columns; each thread 4 rows x 8 columns, whose 4-row column slices go
+// to shared memory as 32-bit words for the transposed store. The next tile's logits are loaded before this tile's transposed store.
 
 constexpr int GR = 64, GC = 128, GT = 4;  // rows, columns per tile; tiles per CTA along the vocabulary
 constexpr int GPITCH = GR + 4;            // bytes per column of the transposed tile (word-aligned)
@@ -933,7 +944,8 @@ __global__ void __launch_bounds__(256, 3) grad_fp8_kernel(const Params p, uint8_
     const int t = threadIdx.x, rg = t / 16, cg = t % 16;
     const int r0 = blockIdx.y * GR + rg * 4;  // this thread's first row
     const float L2E = 1.4426950408889634f;
-    const float K = p.grad_scale / p.c, A1 = -L2E / p.c, B1 = -p.b * L2E / p.c, inv_a = 1.f / p.a;
+    // with t = tanh((x + b) / 2c): z = a (1 + t) / 2 and d softcap / dx = z (1 - z/a) / c = (a/4c) (1 - t^2)
+    const float K = p.grad_scale * 0.25f * p.a / p.c, hL = 0.5f * p.a * L2E, T1 = 0.5f / p.c, T0 = 0.5f * p.b / p.c;
     float off[4];
     int tgt[4][MAX_PREDICT];
 #pragma unroll
@@ -946,7 +958,7 @@ __global__ void __launch_bounds__(256, 3) grad_fp8_kernel(const Params p, uint8_
             tgt[i][k] = on ? p.targets[row + k] : -1;
             if (on) wsum += p.w[k];
         }
-        off[i] = row < p.rows && wsum > 0.f ? p.lse[row] * L2E - log2f(K * wsum) : INFINITY;  // 2^-inf = 0
+        off[i] = row < p.rows && wsum > 0.f ? p.lse[row] * L2E - log2f(K * wsum) - hL : INFINITY;  // 2^-inf = 0
     }
     const int cbase = blockIdx.x * GC * GT;
     uint4 raw[4];
@@ -963,9 +975,9 @@ __global__ void __launch_bounds__(256, 3) grad_fp8_kernel(const Params p, uint8_
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 const float x = __uint_as_float(e % 2 ? w[e / 2] & 0xffff0000u : w[e / 2] << 16);
-                const float z = __fdividef(p.a, 1.f + tk::fast_exp2(fmaf(x, A1, B1)));  // softcap
-                tz[e] = fmaf(-z * inv_a, z, z);                                 // z (1 - z/a): d softcap / c
-                g[e] = tk::fast_exp2(fmaf(z, L2E, -off[i])) * tz[e];
+                const float th = tk::fast_tanh(fmaf(x, T1, T0));
+                tz[e] = fmaf(-th, th, 1.f);                             // 1 - t^2: d softcap (4c/a)
+                g[e] = tk::fast_exp2(fmaf(th, hL, -off[i])) * tz[e];   // exp(z - lse) K wsum (1 - t^2)
             }
             bool hit = false;
 #pragma unroll
@@ -2263,6 +2275,46 @@ __global__ void combine_kernel(__nv_bfloat16* out, const __nv_bfloat16* x, const
     if (flag && __syncthreads_or(bad) && threadIdx.x == 0) atomicCAS(flag, -1, tag);
 }
 
+// combine_kernel's out, then rms_norm's fwd_kernel on it, in one pass: one warp per row, the same
+// arithmetic in the same order as the two kernels (the same bits), without reading out back
+template <int DIM>
+__global__ void combine_norm_kernel(__nv_bfloat16* out, const __nv_bfloat16* x, const __nv_bfloat16* y, int rows,
+                                    Coef ca, Coef cb, __nv_bfloat16* xn, float* rstd, float eps, int* flag, int tag) {
+    constexpr int V = DIM / 256;  // 16-byte vectors per lane
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    bool bad = false;
+    if (row < rows) {
+        const float a = ca.value(), b = cb.value();
+        const int64_t base = (int64_t)row * DIM;
+        float f[V][8];
+        float ss = 0.f;
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            float fy[8];
+            const int64_t at = base + (v * 32 + lane) * 8;
+            tk::load8(x + at, f[v]);
+            tk::load8(y + at, fy);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) bad |= !isfinite(f[v][e]), f[v][e] = a * f[v][e] + b * fy[e];
+            tk::store8(out + at, f[v]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) f[v][e] = __bfloat162float(__float2bfloat16(f[v][e]));  // as stored
+#pragma unroll
+            for (int e = 0; e < 8; ++e) ss += f[v][e] * f[v][e];
+        }
+        ss = tk::warp_sum(ss);
+        const float r = rsqrtf(ss / DIM + eps);
+        if (rstd && lane == 0) rstd[row] = r;
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) f[v][e] *= r;
+            tk::store8(xn + base + (v * 32 + lane) * 8, f[v]);
+        }
+    }
+    if (flag && __syncthreads_or(bad) && threadIdx.x == 0) atomicCAS(flag, -1, tag);
+}
+
 // dx (+)= ca dout, dy += cb dout; partial[0][block] = sum dout x, partial[1][block] = sum dout y
 __global__ void combine_bwd_kernel(const __nv_bfloat16* dout, const __nv_bfloat16* x, const __nv_bfloat16* y,
                                    __nv_bfloat16* dx, bool dx_accumulate, __nv_bfloat16* dy, int64_t n8, Coef ca, Coef cb,
@@ -2378,6 +2430,17 @@ inline cudaError_t combine(__nv_bfloat16* out, const __nv_bfloat16* x, const __n
                            scal::Coef cb, cudaStream_t stream, int* flag = nullptr, int tag = 0) {
     if (n % 8) return cudaErrorInvalidValue;
     scal::combine_kernel<<<scal::DOT_BLOCKS, 256, 0, stream>>>(out, x, y, n / 8, ca, cb, flag, tag);
+    return cudaGetLastError();
+}
+// combine, then rms_norm_forward of out into xn (rstd may be null), in one pass: rows x 768 values,
+// rows of x, y, out and xn contiguous
+inline cudaError_t combine_norm(__nv_bfloat16* out, const __nv_bfloat16* x, const __nv_bfloat16* y, int rows, int dim,
+                                scal::Coef ca, scal::Coef cb, __nv_bfloat16* xn, float* rstd, float eps,
+                                cudaStream_t stream, int* flag = nullptr, int tag = 0) {
+    if (dim != 768) return cudaErrorInvalidValue;
+    if (rows <= 0) return cudaSuccess;
+    scal::combine_norm_kernel<768><<<(unsigned)((rows + 7) / 8), 256, 0, stream>>>(out, x, y, rows, ca, cb, xn, rstd, eps,
+                                                                                  flag, tag);
     return cudaGetLastError();
 }
 // dx = ca dout (or += with dx_accumulate), dy += cb dout, and the coefficients' scalar gradients:
