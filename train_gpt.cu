@@ -2375,7 +2375,7 @@ class Model {
             for (size_t k = 0; k < w.size(); ++k) cp.w[k] = w[k];
             cp.a = (float)args_.softcap_a, cp.b = (float)args_.softcap_b, cp.c = (float)args_.softcap_c;
             cp.losses = losses_ + r0;
-            cp.lse = training ? lse_ : nullptr, cp.grad_scale = fa_.loss_scale;
+            cp.lse = training ? lse_ : nullptr, cp.grad_scale = fa_.loss_scale, cp.fast_softcap = training;
             profile_mark(Part::Loss, s);
             CUDA_CHECK(softcapped_cross_entropy(cp, s));
             if (training)  // the gradient of the logits, e5m2, in the two layouts of the GEMMs below

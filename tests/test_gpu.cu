@@ -357,7 +357,7 @@ static void ce_case(const char* name, int rows, int vocab, std::vector<float> w,
     p.rows = rows, p.target_rows = rows, p.vocab = vocab, p.n_predict = (int)w.size();
     for (size_t k = 0; k < w.size(); ++k) p.w[k] = w[k];
     p.a = (float)A, p.b = (float)B, p.c = (float)C, p.losses = dloss.ptr;
-    p.lse = train ? dlse.ptr : nullptr, p.grad_scale = (float)gscale;
+    p.lse = train ? dlse.ptr : nullptr, p.grad_scale = (float)gscale, p.fast_softcap = train;
     CUDA_CHECK(softcapped_cross_entropy(p, 0));
     if (train) CUDA_CHECK(softcapped_ce_grad_fp8(p, g8.ptr, ld8, g8t.ptr, ld8t, grad_s, 0));
     CUDA_CHECK(cudaDeviceSynchronize());
