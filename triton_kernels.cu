@@ -1062,6 +1062,23 @@ inline cudaError_t softcapped_ce_grad_fp8(const ce::Params& p, uint8_t* g8, int6
 
 namespace rmsnorm {
 
+// a warp's row, this lane's DIM/32 values in f and their sum of squares in ss: y_row = f / rms,
+// rstd[row] = 1/rms (rstd may be null)
+template <int DIM>
+__device__ __forceinline__ void normalize_row(float f[][8], float ss, float eps, float* rstd, int row,
+                                              __nv_bfloat16* y_row) {
+    const int lane = threadIdx.x & 31;
+    ss = tk::warp_sum(ss);
+    const float r = rsqrtf(ss / DIM + eps);
+    if (rstd && lane == 0) rstd[row] = r;
+#pragma unroll
+    for (int v = 0; v < DIM / 256; ++v) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[v][e] *= r;
+        tk::store8(y_row + (v * 32 + lane) * 8, f[v]);
+    }
+}
+
 template <int DIM>
 __global__ void fwd_kernel(const __nv_bfloat16* x, int64_t ldx, __nv_bfloat16* y, int64_t ldy, float* rstd, int rows,
                            float eps) {
@@ -1076,15 +1093,7 @@ __global__ void fwd_kernel(const __nv_bfloat16* x, int64_t ldx, __nv_bfloat16* y
 #pragma unroll
         for (int e = 0; e < 8; ++e) ss += f[v][e] * f[v][e];
     }
-    ss = tk::warp_sum(ss);
-    const float r = rsqrtf(ss / DIM + eps);
-    if (rstd && lane == 0) rstd[row] = r;
-#pragma unroll
-    for (int v = 0; v < V; ++v) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) f[v][e] *= r;
-        tk::store8(y + row * ldy + (v * 32 + lane) * 8, f[v]);
-    }
+    normalize_row<DIM>(f, ss, eps, rstd, row, y + row * ldy);
 }
 
 // a warp's row of x and dy (this lane's DIM/32 values of each) and the row's sum of x dy
@@ -2314,15 +2323,7 @@ __global__ void combine_norm_kernel(__nv_bfloat16* out, const __nv_bfloat16* x, 
 #pragma unroll
             for (int e = 0; e < 8; ++e) ss += f[v][e] * f[v][e];
         }
-        ss = tk::warp_sum(ss);
-        const float r = rsqrtf(ss / DIM + eps);
-        if (rstd && lane == 0) rstd[row] = r;
-#pragma unroll
-        for (int v = 0; v < V; ++v) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) f[v][e] *= r;
-            tk::store8(xn + base + (v * 32 + lane) * 8, f[v]);
-        }
+        rmsnorm::normalize_row<DIM>(f, ss, eps, rstd, row, xn + base);
     }
     if (flag && __syncthreads_or(bad) && threadIdx.x == 0) atomicCAS(flag, -1, tag);
 }
