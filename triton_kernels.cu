@@ -852,6 +852,14 @@ __device__ __forceinline__ float softcap(const Params& p, float nic, float x) {
     return __fdividef(p.a, 1.f + __expf((x + p.b) * nic));
 }
 
+// The soft-cap through tanh.approx (training's passes): a sigmoid((x + b) / c) = h (1 + t) with
+// h = a / 2, t = tanh((x + b) / 2c)
+struct TanhCap {
+    float h, T1, T0;
+    __device__ explicit TanhCap(const Params& p) : h(0.5f * p.a), T1(0.5f / p.c), T0(0.5f * p.b / p.c) {}
+    __device__ float t(float x) const { return tk::fast_tanh(fmaf(x, T1, T0)); }
+};
+
 __device__ __forceinline__ float block_sum(float v, float* red) {
     v = tk::warp_sum(v);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -881,15 +889,16 @@ __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) 
     const int nvec = p.vocab / 8;
     const float nic = -1.f / p.c;
     const float L2E = 1.4426950408889634f, A1 = nic * L2E, B1 = p.b * nic * L2E, aL = p.a * L2E;
-    const float h = 0.5f * p.a, hL = h * L2E, T1 = 0.5f / p.c, T0 = 0.5f * p.b / p.c;
+    const TanhCap tc(p);
+    const float hL = tc.h * L2E;
     float sum = 0.f;
     auto add8 = [&](const float f[8]) {
 #pragma unroll
         for (int e = 0; e < 8; ++e)
-            sum += FAST ? tk::fast_exp2(fmaf(tk::fast_tanh(fmaf(f[e], T1, T0)), hL, hL))
+            sum += FAST ? tk::fast_exp2(fmaf(tc.t(f[e]), hL, hL))
                         : tk::fast_exp2(__fdividef(aL, 1.f + tk::fast_exp2(fmaf(f[e], A1, B1))));
     };
-    auto cap = [&](float x) { return FAST ? fmaf(h, tk::fast_tanh(fmaf(x, T1, T0)), h) : softcap(p, nic, x); };
+    auto cap = [&](float x) { return FAST ? fmaf(tc.h, tc.t(x), tc.h) : softcap(p, nic, x); };
     int v = threadIdx.x;
     for (; v + THREADS < nvec; v += 2 * THREADS) {  // two loads in flight
         float f[8], g[8];
@@ -936,7 +945,8 @@ __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) 
 // d = 2^(t a log2e / 2 - off) (1 - t^2) with off = lse log2e - log2(grad_scale wsum a / 4c) - a log2e / 2,
 // and the targets' -w terms are applied only where a thread's 8 columns hold a target. A CTA takes
 // 64 rows and GT tiles of 128 columns; each thread 4 rows x 8 columns, whose 4-row column slices go
-// to shared memory as 32-bit words for the transposed store. The next tile's logits are loaded before this tile's transposed store.
+// to shared memory as 32-bit words for the transposed store. The next tile's logits are loaded
+// before this tile's transposed store.
 
 constexpr int GR = 64, GC = 128, GT = 4;  // rows, columns per tile; tiles per CTA along the vocabulary
 constexpr int GPITCH = GR + 4;            // bytes per column of the transposed tile (word-aligned)
@@ -956,7 +966,8 @@ __global__ void __launch_bounds__(256, 3) grad_fp8_kernel(const Params p, uint8_
     const int r0 = blockIdx.y * GR + rg * 4;  // this thread's first row
     const float L2E = 1.4426950408889634f;
     // with t = tanh((x + b) / 2c): z = a (1 + t) / 2 and d softcap / dx = z (1 - z/a) / c = (a/4c) (1 - t^2)
-    const float K = p.grad_scale * 0.25f * p.a / p.c, hL = 0.5f * p.a * L2E, T1 = 0.5f / p.c, T0 = 0.5f * p.b / p.c;
+    const TanhCap tc(p);
+    const float K = p.grad_scale * 0.25f * p.a / p.c, hL = tc.h * L2E;
     float off[4];
     int tgt[4][MAX_PREDICT];
 #pragma unroll
@@ -986,7 +997,7 @@ __global__ void __launch_bounds__(256, 3) grad_fp8_kernel(const Params p, uint8_
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 const float x = __uint_as_float(e % 2 ? w[e / 2] & 0xffff0000u : w[e / 2] << 16);
-                const float th = tk::fast_tanh(fmaf(x, T1, T0));
+                const float th = tc.t(x);
                 tz[e] = fmaf(-th, th, 1.f);                             // 1 - t^2: d softcap (4c/a)
                 g[e] = tk::fast_exp2(fmaf(th, hL, -off[i])) * tz[e];   // exp(z - lse) K wsum (1 - t^2)
             }
