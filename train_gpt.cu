@@ -105,6 +105,7 @@ extern char** environ;
     X(I64, profile_steps, 0, "time the parts of every Nth training step, by phase; a table at the end (0: off)")   \
     X(BOOL, gemm_autotune, true,                                                                                    \
       "time each GEMM shape's cuBLASLt candidates on its first call (false: the heuristic's first choice)")         \
+    X(BOOL, fused_mlp, true, "the MLP's c_fc GEMM with ReLU^2 in its epilogue, and its backward's (false: cuBLASLt + a pass)") \
     /* attention masking (windows in blocks of block_size tokens) */                                                \
     X(I64, block_size, 128, "attention window unit in tokens")                                                      \
     X(I64_LIST, ws_schedule, LIST(3, 7, 11), "long window (blocks) by equal parts of the scheduled steps")          \
@@ -2109,8 +2110,14 @@ class Model {
             // MLP: x += relu(norm(x) c_fc^T)^2 c_proj (ReLU^2: arXiv 2109.08668, suggested by @SKYLINEZ007 and
             // @Grad62304977)
             if (attn) CUDA_CHECK(rms_norm_forward(l.x_attn, D, l.xn_m, D, l.rstd_m, T, D, RMS_NORM_EPS, s));
-            gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, l.xn_m, D, c_fc(i), D, l.pre, 4 * D, false);
-            CUDA_CHECK(relu_square_forward(l.pre, l.post, (int64_t)T * 4 * D, s));
+            if (args_.fused_mlp) {
+                fused_gemm_mark(T, 4 * D, D, s);
+                CUDA_CHECK(linear_relu_square_forward(l.xn_m, c_fc(i), T, 4 * D, D, l.pre, l.post, s));
+                profile_mark(Part::Elementwise, s);
+            } else {
+                gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, l.xn_m, D, c_fc(i), D, l.pre, 4 * D, false);
+                CUDA_CHECK(relu_square_forward(l.pre, l.post, (int64_t)T * 4 * D, s));
+            }
             __nv_bfloat16* out = i + 1 < NUM_LAYERS ? layer(i + 1).x_in : x_last_;
             gemms_.bf16(s, Op::N, Op::N, T, D, 4 * D, l.post, 4 * D, c_proj(i), D, out, D, false, 1.f, 1.f, l.x_attn);
             x = out;
@@ -2144,9 +2151,16 @@ class Model {
             if (i == BACKOUT_LAYER) CUDA_CHECK(combine(dx_, dx_, dback_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
             if (i == SKIP_IN) CUDA_CHECK(combine(dx_, dx_, dskip_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
             // MLP: out = x_attn + post c_proj
-            gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, dx_, D, c_proj(i), D, dpost_, 4 * D, false);
-            gemms_.bf16(s, Op::T, Op::N, 4 * D, D, T, l.post, 4 * D, dx_, D, c_proj_grad(i), D, false, 1.f, 1.f);
-            CUDA_CHECK(relu_square_backward(l.pre, dpost_, dpre_, (int64_t)T * 4 * D, s));
+            if (args_.fused_mlp) {
+                fused_gemm_mark(T, 4 * D, D, s);
+                CUDA_CHECK(linear_relu_square_backward(dx_, c_proj(i), T, 4 * D, D, l.pre, dpre_, s));
+                profile_mark(Part::Elementwise, s);
+                gemms_.bf16(s, Op::T, Op::N, 4 * D, D, T, l.post, 4 * D, dx_, D, c_proj_grad(i), D, false, 1.f, 1.f);
+            } else {
+                gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, dx_, D, c_proj(i), D, dpost_, 4 * D, false);
+                gemms_.bf16(s, Op::T, Op::N, 4 * D, D, T, l.post, 4 * D, dx_, D, c_proj_grad(i), D, false, 1.f, 1.f);
+                CUDA_CHECK(relu_square_backward(l.pre, dpost_, dpre_, (int64_t)T * 4 * D, s));
+            }
             gemms_.bf16(s, Op::T, Op::N, 4 * D, D, T, dpre_, 4 * D, l.xn_m, D, c_fc_grad(i), D, false, 1.f, 1.f);
             gemms_.bf16(s, Op::N, Op::N, T, D, 4 * D, dpre_, 4 * D, c_fc(i), D, dxn_, D, false);
             // the block's first norm (attention's, or without attention the MLP's) and the mixing
@@ -2222,6 +2236,12 @@ class Model {
     const __nv_bfloat16* ve_gate_w(int i) { return bf(p_["ve_gate_bank"].data) + ve_gate_slot(i) * NUM_HEADS * gate::GW; }
     __nv_bfloat16* ve_gate_grad(int i) { return bf(p_["ve_gate_bank"].grad) + ve_gate_slot(i) * NUM_HEADS * gate::GW; }
 
+    // profiled: a fused GEMM's time and flops count as the model's GEMMs (the caller marks the part after it)
+    static void fused_gemm_mark(int64_t m, int64_t n, int64_t k, cudaStream_t s) {
+        if (!g_profiler) return;
+        g_profiler->add_flops(Part::Gemm, 2.0 * m * n * k, false);
+        g_profiler->mark(Part::Gemm, s);
+    }
     gate::Params row_gate(int T, const __nv_bfloat16* x, const __nv_bfloat16* w, const float* lambda) {
         gate::Params g{};
         g.tokens = T, g.heads = 1, g.x = x, g.ld_x = MODEL_DIM, g.w = w, g.lambda = lambda, g.partial = gate_partial_;

@@ -56,6 +56,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cub/device/device_radix_sort.cuh>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <atomic>
@@ -120,6 +122,15 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss_mn_major(float* d, uint64_t 
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(da), "l"(db));
 }
+// d (64 x 128) += A (64 x 16, smem, K-major) . B^T (B: 128 x 16, smem, K-major)
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float* d, uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db));
+}
+__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // 2^x on the SFU (ex2.approx.ftz: 2 ulp, results below 2^-126 flushed to zero; exp2f adds range
@@ -1215,6 +1226,178 @@ inline cudaError_t relu_square_backward(const __nv_bfloat16* pre, const __nv_bfl
     const int64_t n8 = n / 8;
     relu2::bwd_kernel<<<tk::grid_stride_blocks(n8, 16), 256, 0, stream>>>(pre, dpost, dpre, n8);
     return cudaGetLastError();
+}
+
+// -----------------------------------------------------------------------------
+// linear_relu_square's GEMMs with their epilogues (record 61's FusedLinearReLUSquareFunction, whose
+// Triton kernels fuse the same way): the forward's c_fc GEMM writes pre and post = relu(pre)^2 in
+// one pass, the backward's dpost GEMM writes dpre = 2 dpost relu(pre) (dpost never stored): no
+// separate passes over the 4 x 768-wide activations.
+namespace lrs {
+
+constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3, THREADS = 288;
+constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int STAGE_ROW = BN * 2 + 16;  // the epilogue's bf16 tile row, padded
+static_assert(BM * STAGE_ROW <= STAGES * STAGE_BYTES, "the epilogue's tile reuses the pipeline's buffers");
+constexpr int SMEM = STAGES * STAGE_BYTES + 1024 + 64;  // + alignment slack + barriers
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+        ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+
+template <int EPI>
+__global__ void __launch_bounds__(THREADS, 2)
+    gemm_kernel(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb, int M, int K,
+                __nv_bfloat16* c0, __nv_bfloat16* c1, const __nv_bfloat16* pre, int64_t ldc) {
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t base = (tk::smem_u32(smem_raw) + 1023) & ~1023u;
+    const uint32_t bars = base + STAGES * STAGE_BYTES;  // full[s] at bars + 8s, empty[s] at bars + 8 (STAGES + s)
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int n0 = blockIdx.x * BN, m0 = blockIdx.y * BM, KT = K / BK;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s, 1), mbar_init(bars + 8 * (STAGES + s), 2);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == 8) {  // producer
+        if (lane == 0) {
+            for (int kt = 0; kt < KT; ++kt) {
+                const int s = kt % STAGES;
+                if (kt >= STAGES) mbar_wait(bars + 8 * (STAGES + s), ((kt / STAGES) & 1) ^ 1);
+                const uint32_t full = bars + 8 * s, sa = base + s * STAGE_BYTES;
+                mbar_expect_tx(full, STAGE_BYTES);
+                tma_load_2d(sa, &ta, kt * BK, m0, full);
+                tma_load_2d(sa + A_BYTES, &tb, kt * BK, n0, full);
+            }
+        }
+        return;
+    }
+    const int wg = warp / 4;  // consumer warpgroup: rows 64 wg .. 64 wg + 63 of the tile
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int kt = 0; kt < KT; ++kt) {
+        const int s = kt % STAGES;
+        mbar_wait(bars + 8 * s, (kt / STAGES) & 1);
+        const uint32_t sa = base + s * STAGE_BYTES + wg * (64 * 128), sb = base + s * STAGE_BYTES + A_BYTES;
+        tk::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk)
+            tk::wgmma_m64n128k16_ss(acc, tk::smem_desc(sa + kk * 32, 16, 1024), tk::smem_desc(sb + kk * 32, 16, 1024));
+        tk::wgmma_commit();
+        tk::wgmma_wait1();  // the previous stage's MMAs are done: hand its buffers back
+        if (kt > 0 && threadIdx.x % 128 == 0) mbar_arrive(bars + 8 * (STAGES + (kt - 1) % STAGES));
+    }
+    tk::wgmma_wait_all();
+    tk::fence_regs<64>(acc);
+    // epilogue through shared memory, so that the global stores (and the backward's loads of pre) are
+    // whole 16-byte chunks, 16 threads to a row: the tile in bf16, row stride STAGE_ROW (padded 16 bytes
+    // so the fragment writes below hit 32 banks), over the pipeline's buffers once both warpgroups are done
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    const uint32_t tile = base + wg * 64 * STAGE_ROW;
+    // accumulator [n8 tile j][e] at row lane/4 (+8 for e >= 2), column 8j + 2(lane%4) + e%2
+    const int r_local = (warp % 4) * 16 + lane / 4, c_local = 2 * (lane % 4);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tile + (r_local + 8 * h) * STAGE_ROW + (8 * j + c_local) * 2),
+                         "r"(tk::pack_bf16(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1])));
+    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
+    const int t = threadIdx.x % 128;
+#pragma unroll 4
+    for (int it = 0; it < 64 * BN / 8 / 128; ++it) {
+        const int c = it * 128 + t, r = c / (BN / 8), ch = c % (BN / 8), row = m0 + wg * 64 + r;
+        if (row >= M) continue;
+        uint4 v;
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(tile + r * STAGE_ROW + ch * 16));
+        const int64_t at = (int64_t)row * ldc + n0 + 8 * ch;
+        float f[8], o[8];
+        const __nv_bfloat162* vb = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float2 x = __bfloat1622float2(vb[e]);
+            f[2 * e] = x.x, f[2 * e + 1] = x.y;
+        }
+        if (EPI == 0) {
+            *reinterpret_cast<uint4*>(c0 + at) = v;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[e] = fmaxf(f[e], 0.f) * fmaxf(f[e], 0.f);
+            tk::store8(c1 + at, o);
+        } else {
+            float p[8];
+            tk::load8(pre + at, p);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[e] = 2.f * f[e] * fmaxf(p[e], 0.f);
+            tk::store8(c0 + at, o);
+        }
+    }
+}
+
+// a row-major rows x cols bf16 matrix (row stride ld elements) as TMA tiles of box_rows x 64
+inline CUresult make_map(CUtensorMap* map, const void* ptr, int rows, int cols, int64_t ld, int box_rows) {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+    if (!encode) {
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", (void**)&encode, 12000, cudaEnableDefault, &q) !=
+                cudaSuccess || q != cudaDriverEntryPointSuccess)
+            return CUDA_ERROR_NOT_FOUND;
+    }
+    const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)ld * 2};
+    const cuuint32_t box[2] = {64, (cuuint32_t)box_rows}, estr[2] = {1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box, estr,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+}  // namespace lrs
+
+namespace lrs {
+template <int EPI>
+inline cudaError_t launch(const __nv_bfloat16* a, const __nv_bfloat16* w, int rows, int n, int k, __nv_bfloat16* c0,
+                          __nv_bfloat16* c1, const __nv_bfloat16* pre, cudaStream_t stream) {
+    if (n % BN || k % BK || rows <= 0) return rows == 0 ? cudaSuccess : cudaErrorInvalidValue;
+    CUtensorMap ta, tb;
+    if (make_map(&ta, a, rows, k, k, BM) != CUDA_SUCCESS || make_map(&tb, w, n, k, k, BN) != CUDA_SUCCESS)
+        return cudaErrorInvalidValue;
+    static bool smem_set = false;
+    cudaError_t e = tk::allow_smem(gemm_kernel<EPI>, SMEM, smem_set);
+    if (e != cudaSuccess) return e;
+    gemm_kernel<EPI><<<dim3(n / BN, (rows + BM - 1) / BM), THREADS, SMEM, stream>>>(ta, tb, rows, k, c0, c1, pre, n);
+    return cudaGetLastError();
+}
+}  // namespace lrs
+
+// pre = x w^T and post = relu(pre)^2 (x: rows x k, w: n x k, pre and post: rows x n; all contiguous,
+// n a multiple of 128, k of 64)
+inline cudaError_t linear_relu_square_forward(const __nv_bfloat16* x, const __nv_bfloat16* w, int rows, int n, int k,
+                                              __nv_bfloat16* pre, __nv_bfloat16* post, cudaStream_t stream) {
+    return lrs::launch<0>(x, w, rows, n, k, pre, post, nullptr, stream);
+}
+// dpre = 2 relu(pre) (dout w^T) with dout w^T rounded to bf16 first (as a stored dpost would be):
+// dout rows x k, w n x k (the c_proj weight, whose rows are the MLP's hidden units), pre and dpre rows x n
+inline cudaError_t linear_relu_square_backward(const __nv_bfloat16* dout, const __nv_bfloat16* w, int rows, int n, int k,
+                                               const __nv_bfloat16* pre, __nv_bfloat16* dpre, cudaStream_t stream) {
+    return lrs::launch<1>(dout, w, rows, n, k, dpre, nullptr, pre, stream);
 }
 
 // -----------------------------------------------------------------------------

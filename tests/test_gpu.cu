@@ -551,6 +551,48 @@ static void relu2_case(int64_t n, uint64_t seed) {
     CHECK(bad == 0, "relu^2: %lld values differ", (long long)bad);
 }
 
+// the MLP's fused GEMMs against fp64: pre = x w^T (bf16 rounding), post = relu(pre)^2 from the
+// kernel's own pre to the bit, and dpre = 2 relu(pre) g with g = dout w^T rounded to bf16 first: off
+// by at most g's fp32 sum error (|g| 2^-7 + sum |terms| 2^-16, generous) and two bf16 roundings
+static void linear_relu_square_case(int rows, int n, int k, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    const float ws = 1.f / std::sqrt((float)k);
+    std::vector<uint16_t> x = random_bf16(rng, (size_t)rows * k, 1.f), w = random_bf16(rng, (size_t)n * k, ws);
+    std::vector<uint16_t> dout = random_bf16(rng, (size_t)rows * k, 1.f), w2 = random_bf16(rng, (size_t)n * k, ws);
+    DeviceArray<uint16_t> dx(x), dw(w), ddout(dout), dw2(w2), pre((size_t)rows * n), post((size_t)rows * n),
+        dpre((size_t)rows * n);
+    pre.poison(), post.poison(), dpre.poison();
+    auto bf = [](uint16_t* p) { return reinterpret_cast<__nv_bfloat16*>(p); };
+    CUDA_CHECK(linear_relu_square_forward(bf(dx.ptr), bf(dw.ptr), rows, n, k, bf(pre.ptr), bf(post.ptr), 0));
+    CUDA_CHECK(linear_relu_square_backward(bf(ddout.ptr), bf(dw2.ptr), rows, n, k, bf(pre.ptr), bf(dpre.ptr), 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> hp = pre.download(), hq = post.download(), hd = dpre.download();
+    std::vector<double> got, ref, dgot, dref;
+    int64_t post_bad = 0, dpre_far = 0;
+    for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < n; ++c) {
+            double a = 0, g = 0, g_abs = 0;
+            for (int i = 0; i < k; ++i) {
+                a += (double)bf16_to_float(x[(size_t)r * k + i]) * bf16_to_float(w[(size_t)c * k + i]);
+                const double term = (double)bf16_to_float(dout[(size_t)r * k + i]) * bf16_to_float(w2[(size_t)c * k + i]);
+                g += term, g_abs += std::fabs(term);
+            }
+            const size_t at = (size_t)r * n + c;
+            const float p = bf16_to_float(hp[at]), rp = std::max(p, 0.f);
+            got.push_back(p), ref.push_back(a);
+            post_bad += hq[at] != float_to_bf16(rp * rp);
+            const double d = bf16_to_float(hd[at]), want = 2 * g * rp;
+            dgot.push_back(d), dref.push_back(want);
+            dpre_far += std::fabs(d - want) > 2 * rp * (std::fabs(g) / 128 + g_abs / 65536) + std::fabs(want) / 128;
+        }
+    const double e = rel_err_d(got, ref), ed = rel_err_d(dgot, dref);
+    printf("  linear + relu^2 rows %5d n %4d k %4d  rel err: pre %.1e dpre %.1e; post off: %lld, dpre off by more than a step: %lld\n",
+           rows, n, k, e, ed, (long long)post_bad, (long long)dpre_far);
+    CHECK(e < 1e-2 && ed < 1e-2 && post_bad == 0 && dpre_far == 0,
+          "linear + relu^2 rows %d: pre %.2e dpre %.2e, %lld post values differ, %lld dpre values off", rows, e, ed,
+          (long long)post_bad, (long long)dpre_far);
+}
+
 static void fp8_cast_case(int rows, int cols, bool e5m2, bool transpose, float scale, uint64_t seed) {
     std::mt19937_64 rng(seed);
     const int64_t lds = cols + 16, ldd = (transpose ? rows : cols) + 32;
@@ -1581,6 +1623,8 @@ static void test_model_kernels() {
     norm_mix_case(1001, 52);
     norm_mix_case(3, 53);
     relu2_case(8 * 1000 + 8 * 37, 20);
+    linear_relu_square_case(300, 384, 192, 21);  // rows off the 128-row tile
+    linear_relu_square_case(256, 3072, 768, 22);  // the model's widths
     fp8_cast_case(48, 80, false, false, 100.f / 448, 21);
     fp8_cast_case(96, 160, false, true, 1.6f / 448, 22);
     fp8_cast_case(80, 4112, true, true, 0.75f / 448, 23);
