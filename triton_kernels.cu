@@ -23,7 +23,9 @@
 //   norm = F.rms_norm, forward / backward               rmsnorm    rms_norm_forward / rms_norm_backward
 //   linear_relu_square's epilogues (FusedLinear-        relu2      relu_square_forward / relu_square_backward
 //     ReLUSquareFunction): relu(pre)^2, and with
-//     aux=pre 2 dpost relu(pre); its GEMMs: cuBLASLt
+//     aux=pre 2 dpost relu(pre) (--fused_mlp false)
+//   linear_relu_square fused: the c_fc GEMM with        lrs        linear_relu_square_forward /
+//     relu(pre)^2, the dpost GEMM with 2 dpost relu(pre)           linear_relu_square_backward
 //   mm_t_op's fp8 casts of x and w (e4m3), row-major    fp8cast    cast_to_fp8
 //     and transposed (the backward's x_f8.T, w_f8.T)
 //   QK norm + rotary (Yarn, YarnPairedHead) + the       qkrope     rope_table (Yarn's cos/sin tables),
