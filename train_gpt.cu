@@ -2043,7 +2043,8 @@ class Model {
         // backward workspaces
         dx_ = bf(T * D), dx0_ = bf(T * D), dskip_ = bf(T * D), dback_ = bf(T * D), dxn_ = bf(T * D);
         dy_ = bf(T * D), dyg_ = bf(T * D), dq_ = bf(T * D), dk_ = bf(T * D), dqkv_ = bf(T * 3 * D);
-        dpost_ = bf(T * 4 * D), dpre_ = bf(T * 4 * D), dxn_head_ = bf(T * D), demb_ = bf(T * D);
+        dpre_ = bf(T * 4 * D), dxn_head_ = bf(T * D), demb_ = bf(T * D);
+        dpost_ = args.fused_mlp ? nullptr : bf(T * 4 * D);  // the fused backward never stores dpost
         for (auto& v : dve_) v = bf(T * D);
         dw_ = alloc<float>(3 * D * D), delta_ = alloc<float>(NUM_HEADS * 2 * T), dz_ = alloc<float>(NUM_HEADS * T);
         dlam_rows_ = alloc<float>(T), partial_ = alloc<float>(2 * scal::DOT_BLOCKS);
@@ -2151,14 +2152,13 @@ class Model {
             if (i == BACKOUT_LAYER) CUDA_CHECK(combine(dx_, dx_, dback_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
             if (i == SKIP_IN) CUDA_CHECK(combine(dx_, dx_, dskip_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
             // MLP: out = x_attn + post c_proj
+            gemms_.bf16(s, Op::T, Op::N, 4 * D, D, T, l.post, 4 * D, dx_, D, c_proj_grad(i), D, false, 1.f, 1.f);
             if (args_.fused_mlp) {
                 fused_gemm_mark(T, 4 * D, D, s);
                 CUDA_CHECK(linear_relu_square_backward(dx_, c_proj(i), T, 4 * D, D, l.pre, dpre_, s));
                 profile_mark(Part::Elementwise, s);
-                gemms_.bf16(s, Op::T, Op::N, 4 * D, D, T, l.post, 4 * D, dx_, D, c_proj_grad(i), D, false, 1.f, 1.f);
             } else {
                 gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, dx_, D, c_proj(i), D, dpost_, 4 * D, false);
-                gemms_.bf16(s, Op::T, Op::N, 4 * D, D, T, l.post, 4 * D, dx_, D, c_proj_grad(i), D, false, 1.f, 1.f);
                 CUDA_CHECK(relu_square_backward(l.pre, dpost_, dpre_, (int64_t)T * 4 * D, s));
             }
             gemms_.bf16(s, Op::T, Op::N, 4 * D, D, T, dpre_, 4 * D, l.xn_m, D, c_fc_grad(i), D, false, 1.f, 1.f);
