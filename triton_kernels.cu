@@ -1231,11 +1231,10 @@ inline cudaError_t relu_square_backward(const __nv_bfloat16* pre, const __nv_bfl
 // separate passes over the 4 x 768-wide activations.
 namespace lrs {
 
-constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3, THREADS = 288;
+constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4, THREADS = 384;
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int STAGE_ROW = BN * 2 + 16;  // the epilogue's bf16 tile row, padded
-static_assert(BM * STAGE_ROW <= STAGES * STAGE_BYTES, "the epilogue's tile reuses the pipeline's buffers");
-constexpr int SMEM = STAGES * STAGE_BYTES + 1024 + 64;  // + alignment slack + barriers
+constexpr int STAGE_ROW = BN * 2 + 16, STAGING_BYTES = BM * STAGE_ROW;  // the epilogue's bf16 tile, rows padded
+constexpr int SMEM = STAGES * STAGE_BYTES + 2 * STAGING_BYTES + 1024 + 8 * (2 * STAGES + 2);  // + alignment, barriers
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
@@ -1258,93 +1257,142 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
         ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 
+// Persistent, one CTA an SM, in ping-pong (CUTLASS's warp-specialized ping-pong schedule): a producer
+// warp streams the A and B tiles of the CTA's output tiles, in order, through the STAGES buffers; the two
+// consumer warpgroups take the tiles in turn, each a whole 128 x 128 tile, so that one's epilogue (the
+// stores of pre and post, or the loads of pre) runs while the other's MMAs keep the tensor cores busy.
 template <int EPI>
-__global__ void __launch_bounds__(THREADS, 2)
-    gemm_kernel(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb, int M, int K,
+__global__ void __launch_bounds__(THREADS, 1)
+    gemm_kernel(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb, int M, int N, int K,
                 __nv_bfloat16* c0, __nv_bfloat16* c1, const __nv_bfloat16* pre, int64_t ldc) {
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (tk::smem_u32(smem_raw) + 1023) & ~1023u;
-    const uint32_t bars = base + STAGES * STAGE_BYTES;  // full[s] at bars + 8s, empty[s] at bars + 8 (STAGES + s)
+    const uint32_t staging = base + STAGES * STAGE_BYTES;  // each consumer's epilogue tile
+    // full[s] at bars + 8s, empty[s] at bars + 8 (STAGES + s), turn[w] at bars + 8 (2 STAGES + w)
+    const uint32_t bars = staging + 2 * STAGING_BYTES;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int n0 = blockIdx.x * BN, m0 = blockIdx.y * BM, KT = K / BK;
+    const int KT = K / BK, NT = N / BN, tiles = (M + BM - 1) / BM * NT;
     if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s, 1), mbar_init(bars + 8 * (STAGES + s), 2);
+        for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s, 1), mbar_init(bars + 8 * (STAGES + s), 1);
+        mbar_init(bars + 8 * 2 * STAGES, 1), mbar_init(bars + 8 * (2 * STAGES + 1), 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    if (warp == 8) {  // producer
-        if (lane == 0) {
-            for (int kt = 0; kt < KT; ++kt) {
-                const int s = kt % STAGES;
-                if (kt >= STAGES) mbar_wait(bars + 8 * (STAGES + s), ((kt / STAGES) & 1) ^ 1);
-                const uint32_t full = bars + 8 * s, sa = base + s * STAGE_BYTES;
-                mbar_expect_tx(full, STAGE_BYTES);
-                tma_load_2d(sa, &ta, kt * BK, m0, full);
-                tma_load_2d(sa + A_BYTES, &tb, kt * BK, n0, full);
+    if (warp < 4) {  // the producer warpgroup: one thread issues the loads
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if (threadIdx.x == 0) {
+            int q = 0;  // position in the CTA's sequence of k-tiles, over all its output tiles
+            for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+                const int m0 = t / NT * BM, n0 = t % NT * BN;
+                for (int kt = 0; kt < KT; ++kt, ++q) {
+                    const int s = q % STAGES;
+                    if (q >= STAGES) mbar_wait(bars + 8 * (STAGES + s), ((q / STAGES) & 1) ^ 1);
+                    const uint32_t full = bars + 8 * s, sa = base + s * STAGE_BYTES;
+                    mbar_expect_tx(full, STAGE_BYTES);
+                    tma_load_2d(sa, &ta, kt * BK, m0, full);
+                    tma_load_2d(sa + A_BYTES, &tb, kt * BK, n0, full);
+                }
             }
         }
         return;
     }
-    const int wg = warp / 4;  // consumer warpgroup: rows 64 wg .. 64 wg + 63 of the tile
-    float acc[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-    for (int kt = 0; kt < KT; ++kt) {
-        const int s = kt % STAGES;
-        mbar_wait(bars + 8 * s, (kt / STAGES) & 1);
-        const uint32_t sa = base + s * STAGE_BYTES + wg * (64 * 128), sb = base + s * STAGE_BYTES + A_BYTES;
-        tk::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk)
-            tk::wgmma_m64n128k16_ss<0>(acc, tk::smem_desc(sa + kk * 32, 16, 1024), tk::smem_desc(sb + kk * 32, 16, 1024));
-        tk::wgmma_commit();
-        tk::wgmma_wait1();  // the previous stage's MMAs are done: hand its buffers back
-        if (kt > 0 && threadIdx.x % 128 == 0) mbar_arrive(bars + 8 * (STAGES + (kt - 1) % STAGES));
-    }
-    tk::wgmma_wait_all();
-    tk::fence_regs<64>(acc);
-    // epilogue through shared memory, so that the global stores (and the backward's loads of pre) are
-    // whole 16-byte chunks, 16 threads to a row: the tile in bf16, row stride STAGE_ROW (padded 16 bytes
-    // so the fragment writes below hit 32 banks), over the pipeline's buffers once both warpgroups are done
-    asm volatile("bar.sync 1, 256;\n" ::: "memory");
-    const uint32_t tile = base + wg * 64 * STAGE_ROW;
-    // accumulator [n8 tile j][e] at row lane/4 (+8 for e >= 2), column 8j + 2(lane%4) + e%2
-    const int r_local = (warp % 4) * 16 + lane / 4, c_local = 2 * (lane % 4);
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int j = 0; j < 16; ++j)
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tile + (r_local + 8 * h) * STAGE_ROW + (8 * j + c_local) * 2),
-                         "r"(tk::pack_bf16(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1])));
-    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
-    const int t = threadIdx.x % 128;
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int wg = warp / 4 - 1;  // consumer 0 takes the CTA's even tiles, consumer 1 its odd ones
+    const uint32_t tile = staging + wg * STAGING_BYTES;
+    const int t128 = threadIdx.x % 128;
+    for (int i = wg;; i += 2) {
+        const int t = blockIdx.x + i * gridDim.x;
+        if (t >= tiles) break;
+        const int m0 = t / NT * BM, n0 = t % NT * BN;
+        // the epilogue goes through shared memory, so that the global stores (and the backward's loads
+        // of pre) are whole 16-byte chunks, 16 threads to a row: the tile in bf16, row stride STAGE_ROW
+        // (padded 16 bytes so that the fragment accesses hit 32 banks). Once the last tile's reads of it
+        // are done, the backward fetches its pre tile there (cp.async), to arrive during the MMAs.
+        asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
+        if (EPI == 1) {
 #pragma unroll 4
-    for (int it = 0; it < 64 * BN / 8 / 128; ++it) {
-        const int c = it * 128 + t, r = c / (BN / 8), ch = c % (BN / 8), row = m0 + wg * 64 + r;
-        if (row >= M) continue;
-        uint4 v;
-        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "r"(tile + r * STAGE_ROW + ch * 16));
-        const int64_t at = (int64_t)row * ldc + n0 + 8 * ch;
-        float f[8], o[8];
-        const __nv_bfloat162* vb = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float2 x = __bfloat1622float2(vb[e]);
-            f[2 * e] = x.x, f[2 * e + 1] = x.y;
+            for (int it = 0; it < BM * BN / 8 / 128; ++it) {
+                const int c = it * 128 + t128, r = c / (BN / 8), ch = c % (BN / 8), row = m0 + r;
+                tk::cp_async16(tile + r * STAGE_ROW + ch * 16, pre + (int64_t)min(row, M - 1) * ldc + n0 + 8 * ch,
+                               row < M ? 16 : 0);
+            }
+            tk::cp_async_commit();
         }
-        if (EPI == 0) {
+        float acc[128];  // rows 0-63 of the tile in acc[0..63], rows 64-127 in acc[64..127]
+#pragma unroll
+        for (int j = 0; j < 128; ++j) acc[j] = 0.f;
+        // the turns keep the consumers' waits on the full barriers in the producer's order: a wait on a
+        // barrier's parity is only sound one phase ahead, so a consumer starts its tile's waits once the
+        // other has made its last of the tile before
+        const uint32_t my_turn = bars + 8 * (2 * STAGES + wg), their_turn = bars + 8 * (2 * STAGES + 1 - wg);
+        if (i > 0) mbar_wait(my_turn, ((i - 1) / 2) & 1);
+        const int q0 = i * KT;
+        for (int kt = 0; kt < KT; ++kt) {
+            const int q = q0 + kt, s = q % STAGES;
+            mbar_wait(bars + 8 * s, (q / STAGES) & 1);
+            if (kt == KT - 1 && t128 == 0) mbar_arrive(their_turn);
+            const uint32_t sa = base + s * STAGE_BYTES, sb = sa + A_BYTES;
+            tk::wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; ++kk) {
+                const uint64_t db = tk::smem_desc(sb + kk * 32, 16, 1024);
+                tk::wgmma_m64n128k16_ss<0>(acc, tk::smem_desc(sa + kk * 32, 16, 1024), db);
+                tk::wgmma_m64n128k16_ss<0>(acc + 64, tk::smem_desc(sa + 64 * 128 + kk * 32, 16, 1024), db);
+            }
+            tk::wgmma_commit();
+            tk::wgmma_wait1();  // the previous stage's MMAs are done: hand its buffers back
+            if (kt > 0 && t128 == 0) mbar_arrive(bars + 8 * (STAGES + (q - 1) % STAGES));
+        }
+        tk::wgmma_wait_all();
+        tk::fence_regs<128>(acc);
+        if (t128 == 0) mbar_arrive(bars + 8 * (STAGES + (q0 + KT - 1) % STAGES));
+        if (EPI == 1) {
+            tk::cp_async_wait<0>();
+            asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");  // every thread's part of pre is in
+        }
+        // accumulator [n8 tile j][e] at row lane/4 (+8 for e >= 2), column 8j + 2(lane%4) + e%2; the
+        // forward stores pre there, the backward dpre = 2 relu(pre) bf16(acc) over pre
+        const int r_local = (warp % 4) * 16 + lane / 4, c_local = 2 * (lane % 4);
+#pragma unroll
+        for (int mh = 0; mh < 2; ++mh)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    const uint32_t at = tile + (64 * mh + r_local + 8 * h) * STAGE_ROW + (8 * j + c_local) * 2;
+                    uint32_t v = tk::pack_bf16(acc[64 * mh + 4 * j + 2 * h], acc[64 * mh + 4 * j + 2 * h + 1]);
+                    if (EPI == 1) {
+                        uint32_t pu;
+                        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(pu) : "r"(at));
+                        const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+                        const float2 p = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pu));
+                        v = tk::pack_bf16(2.f * g.x * fmaxf(p.x, 0.f), 2.f * g.y * fmaxf(p.y, 0.f));
+                    }
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(v));
+                }
+        asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
+#pragma unroll 4
+        for (int it = 0; it < BM * BN / 8 / 128; ++it) {
+            const int c = it * 128 + t128, r = c / (BN / 8), ch = c % (BN / 8), row = m0 + r;
+            if (row >= M) continue;
+            uint4 v;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(tile + r * STAGE_ROW + ch * 16));
+            const int64_t at = (int64_t)row * ldc + n0 + 8 * ch;
             *reinterpret_cast<uint4*>(c0 + at) = v;
+            if (EPI == 0) {
+                float f[8], o[8];
+                const __nv_bfloat162* vb = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) o[e] = fmaxf(f[e], 0.f) * fmaxf(f[e], 0.f);
-            tk::store8(c1 + at, o);
-        } else {
-            float p[8];
-            tk::load8(pre + at, p);
+                for (int e = 0; e < 4; ++e) {
+                    const float2 x = __bfloat1622float2(vb[e]);
+                    f[2 * e] = x.x, f[2 * e + 1] = x.y;
+                }
 #pragma unroll
-            for (int e = 0; e < 8; ++e) o[e] = 2.f * f[e] * fmaxf(p[e], 0.f);
-            tk::store8(c0 + at, o);
+                for (int e = 0; e < 8; ++e) o[e] = fmaxf(f[e], 0.f) * fmaxf(f[e], 0.f);
+                tk::store8(c1 + at, o);
+            }
         }
     }
 }
@@ -1378,7 +1426,8 @@ inline cudaError_t launch(const __nv_bfloat16* a, const __nv_bfloat16* w, int ro
     static bool smem_set = false;
     cudaError_t e = tk::allow_smem(gemm_kernel<EPI>, SMEM, smem_set);
     if (e != cudaSuccess) return e;
-    gemm_kernel<EPI><<<dim3(n / BN, (rows + BM - 1) / BM), THREADS, SMEM, stream>>>(ta, tb, rows, k, c0, c1, pre, n);
+    const int tiles = (rows + BM - 1) / BM * (n / BN);
+    gemm_kernel<EPI><<<std::min(tiles, tk::num_sms()), THREADS, SMEM, stream>>>(ta, tb, rows, n, k, c0, c1, pre, n);
     return cudaGetLastError();
 }
 }  // namespace lrs
