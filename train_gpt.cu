@@ -1988,6 +1988,9 @@ struct ForwardArgs {
     int64_t ws_short = 1, ws_long = 3;  // attention windows, in blocks of block_size tokens
     YarnState yarn;
     float loss_scale = 1.f;             // training: 1 / grad_accum_steps (the loss is a sum)
+    // training: the step's first micro-step. The weights change only in the optimizer, so the lm_head's
+    // fp8 weight casts on the first serve them all
+    bool first_micro = true;
 };
 
 // The record-61 model: forward and hand-written backward over one micro-batch. The forward keeps
@@ -2376,8 +2379,10 @@ class Model {
         if (training) {
             CUDA_CHECK(cast_to_fp8(xn_, D, xf8_, D, T, D, (float)args_.lm_head_x_s, false, false, s));
             CUDA_CHECK(cast_to_fp8(xn_, D, xf8t_, T, T, D, (float)args_.lm_head_x_s, false, true, s));
-            CUDA_CHECK(cast_to_fp8(lm_head, V, wf8t_, D, D, V, (float)args_.lm_head_w_s, false, true, s));
-            CUDA_CHECK(cast_to_fp8(lm_head, V, wf8_, V, D, V, (float)args_.lm_head_w_s, false, false, s));
+            if (fa_.first_micro) {
+                CUDA_CHECK(cast_to_fp8(lm_head, V, wf8t_, D, D, V, (float)args_.lm_head_w_s, false, true, s));
+                CUDA_CHECK(cast_to_fp8(lm_head, V, wf8_, V, D, V, (float)args_.lm_head_w_s, false, false, s));
+            }
             CUDA_CHECK(cudaMemsetAsync(lm_grad_, 0, V * D * 4, s));
         }
         for (int r0 = 0; r0 < T; r0 += LOGIT_ROWS) {
@@ -3055,6 +3060,7 @@ class TrainingManager {
                 optimizer_.begin_backward_reduces(is_adam_step(step));
                 model_.set_grad_ready([this](ReducePoint p, int layer, cudaStream_t s) { optimizer_.backward_reduces(p, layer, s); });
             }
+            fa_.first_micro = micro == 0;
             forward_batch(train_loader, true);
             model_.backward(stream_);
             model_.set_grad_ready(nullptr);
