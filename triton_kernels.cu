@@ -100,13 +100,15 @@ __device__ __forceinline__ void fence_regs(uint32_t* a) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i])::"memory");
 }
-// d (64 x 64) += A (64 x 16, smem, K-major) . B (16 x 64, smem, K-major)
+// d (64 x 64) += A (64 x 16, smem, K-major) . B (16 x 64, smem, K-major); ACCUMULATE 0: d = A . B,
+// d's registers neither read nor needing zeros
+template <int ACCUMULATE = 1>
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, uint64_t da, uint64_t db) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(da), "l"(db));
+        : "l"(da), "l"(db), "n"(ACCUMULATE));
 }
 // d (64 x 128) += A (64 x 16, registers) . B (16 x 128, smem, N-major)
 __device__ __forceinline__ void wgmma_m64n128k16_rs_nmajor(float* d, const uint32_t a[4], uint64_t db) {
@@ -381,6 +383,28 @@ __device__ __forceinline__ void gemm_abt_issue(float acc[8][4], uint32_t a_tile,
     }
     tk::wgmma_commit();
 }
+// acc0 = A0 . B0^T and acc1 = A1 . B1^T as one commit group; the first k-step of each overwrites its
+// accumulators, which need no zeros
+__device__ __forceinline__ void gemm_abt2_issue(float acc0[8][4], uint32_t a0, uint32_t b0, float acc1[8][4],
+                                                uint32_t a1, uint32_t b1) {
+    float *d0 = &acc0[0][0], *d1 = &acc1[0][0];
+    tk::fence_regs<32>(d0);
+    tk::fence_regs<32>(d1);
+    tk::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t off = (kk >> 2) * (BLOCK * 128) + (kk & 3) * 32;
+        if (kk == 0) tk::wgmma_m64n64k16_ss<0>(d0, tk::smem_desc(a0 + off, 16, 1024), tk::smem_desc(b0 + off, 16, 1024));
+        else tk::wgmma_m64n64k16_ss(d0, tk::smem_desc(a0 + off, 16, 1024), tk::smem_desc(b0 + off, 16, 1024));
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t off = (kk >> 2) * (BLOCK * 128) + (kk & 3) * 32;
+        if (kk == 0) tk::wgmma_m64n64k16_ss<0>(d1, tk::smem_desc(a1 + off, 16, 1024), tk::smem_desc(b1 + off, 16, 1024));
+        else tk::wgmma_m64n64k16_ss(d1, tk::smem_desc(a1 + off, 16, 1024), tk::smem_desc(b1 + off, 16, 1024));
+    }
+    tk::wgmma_commit();
+}
 __device__ __forceinline__ void gemm_abt(float acc[8][4], uint32_t a_tile, uint32_t b_tile) {
     gemm_abt_issue(acc, a_tile, b_tile);
     tk::wgmma_wait_all();
@@ -598,9 +622,10 @@ __device__ __forceinline__ void load_row_stats(float* dst, const float* src, int
 }
 
 // ---- backward dK, dV: one CTA per (64-key tile, head), over the query tiles that see it ----
-// Per query tile: S^T = K Q^T and dP^T = V dO^T issued together (behind the previous tile's dV and
-// dK, still on the tensor cores), then P^T and dS^T, then dV += P^T dO and dK += dS^T Q, which
-// complete under the next tile's wait. dS^T also goes to p.ds for the dQ pass.
+// Per query tile: S^T = K Q^T and dP^T = V dO^T issued together, then P^T and dS^T, then dV += P^T dO
+// and dK += dS^T Q, waited for in the same iteration: left in flight across the loop's back edge
+// they made ptxas serialize every wgmma of the kernel (its C7515 warning), 8 ms more a 393k step.
+// dS^T also goes to p.ds for the dQ pass.
 __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned char* smem, int s1, int k0, int seq) {
     const int h = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -625,7 +650,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
 
     const float sl2 = p.scale * LOG2E;
     float dk[16][4] = {}, dv[16][4] = {};
-    uint32_t pf[4][4] = {}, dsf[4][4] = {};  // P^T and dS^T in flight in the dV and dK MMAs
+    uint32_t pf[4][4] = {}, dsf[4][4] = {};  // P^T and dS^T: the A fragments of the dV and dK MMAs
     const int key_lo = k0 + warp * 16 + (lane >> 2);  // this thread's keys: key_lo, key_lo + 8
     const int cb = (lane & 3) * 2;
 
@@ -639,14 +664,11 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
         tk::fence_proxy_async();
         __syncthreads();
         // P^T = exp(S^T - lse), S^T = K Q^T; dP^T = V dO^T (16 keys x 64 queries per warp)
-        float s[8][4] = {}, dp[8][4] = {};
-        gemm_abt_issue(s, sK, qt);
-        gemm_abt_issue(dp, sV, ot);
-        tk::wgmma_wait_all();  // these two, and the previous tile's dK (and dV)
+        float s[8][4], dp[8][4];  // written whole by the MMAs' first k-steps
+        gemm_abt2_issue(s, sK, qt, dp, sV, ot);
+        tk::wgmma_wait_all();
         tk::fence_regs<32>(&s[0][0]);
         tk::fence_regs<32>(&dp[0][0]);
-        settle(dv, pf);
-        settle(dk, dsf);
         __syncthreads();  // every warp is done with the other buffers: refill them
         if (nb + 1 < nblocks) {
             load_tile(sQ + (buf ^ 1) * TILE_BYTES, qh, p.q_stride, qb + BLOCK, s1);
@@ -671,6 +693,9 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
         to_a_frags(dsf, dp);
         gemm_pb_issue(dv, pf, ot);   // dV += P^T dO
         gemm_pb_issue(dk, dsf, qt);  // dK += dS^T Q
+        tk::wgmma_wait_all();
+        settle(dv, pf);
+        settle(dk, dsf);
         // dS^T for the dQ pass: this thread's rows key_lo, key_lo + 8 of the tile, two columns per word
         uint32_t* out = reinterpret_cast<uint32_t*>(ds_tile(p, h, k0, seq, nb) + (key_lo - k0) * BLOCK + cb);
 #pragma unroll
@@ -679,9 +704,6 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
             out[kk * 8 + 4] = dsf[kk][2], out[8 * BLOCK / 2 + kk * 8 + 4] = dsf[kk][3];
         }
     }
-    tk::wgmma_wait_all();
-    settle(dv, pf);
-    settle(dk, dsf);
     store_rows(p.dk + h * D, p.dk_stride, k0 + warp * 16, s1, dk, p.scale, p.scale);
     store_rows(p.dv + h * D, p.dv_stride, k0 + warp * 16, s1, dv, 1.f, 1.f, p.v_shift, p.v_half);
 }
