@@ -1989,7 +1989,7 @@ struct ForwardArgs {
     YarnState yarn;
     float loss_scale = 1.f;             // training: 1 / grad_accum_steps (the loss is a sum)
     // training: the step's first micro-step. The weights change only in the optimizer, so the lm_head's
-    // fp8 weight casts on the first serve them all
+    // fp8 weight casts and the sa-scaled QKV and O weights made on the first serve them all
     bool first_micro = true;
 };
 
@@ -2027,7 +2027,7 @@ class Model {
             for (Layer& l : eval_) make_layer(l, max_eval_tokens, true);
             eval_skip_ = bf((int64_t)max_eval_tokens * D), eval_back_ = bf((int64_t)max_eval_tokens * D);
         }
-        wqkv_ = bf(3 * D * D), wo_ = bf(D * D);
+        wqkvo_ = bf(NUM_ATTN_LAYERS * 4 * D * D);
         rope_positions_ = 2 * (int)TE;  // the paired-head layers rotate 2 positions per token
         rope_ = alloc<__nv_bfloat162>((int64_t)rope_positions_ * 32);
         tiles_ = (int4*)alloc<unsigned char>(attention_tiles_bytes(2 * (int)TE, max_cu_len));
@@ -2227,6 +2227,7 @@ class Model {
     __nv_bfloat16* skip_source() { return fa_.training ? layers_[SKIP_IN + 1].x_in : eval_skip_; }
     __nv_bfloat16* backout_source() { return fa_.training ? layers_[BACKOUT_LAYER + 1].x_in : eval_back_; }
     // bank slices: layer i's attention weights (q, k, v, o rows) and MLP matrices
+    __nv_bfloat16* scaled_qkvo(int i) { return wqkvo_ + (int64_t)attn_slot(i) * 4 * MODEL_DIM * MODEL_DIM; }
     const __nv_bfloat16* attn_w(int i) { return bf(p_["attn"].data) + (int64_t)attn_slot(i) * 4 * MODEL_DIM * MODEL_DIM; }
     __nv_bfloat16* attn_grad(int i) { return bf(p_["attn"].grad) + (int64_t)attn_slot(i) * 4 * MODEL_DIM * MODEL_DIM; }
     const __nv_bfloat16* c_fc(int i) { return bf(p_["mlp"].data) + (int64_t)i * 8 * MODEL_DIM * MODEL_DIM; }
@@ -2297,9 +2298,14 @@ class Model {
         const int64_t D = MODEL_DIM;
         float* scalars = (float*)p_["scalars"].data;
         // (the caller made xn_a = norm(x_mix) with x_mix)
-        // sa lambdas pre-multiply the QKV and O weights (@shenberg)
-        CUDA_CHECK(scale_weight(wqkv_, attn_w(i), 3 * D * D, scalars + SCALAR_SA + 2 * i, s));
-        gemms_.bf16(s, Op::N, Op::T, T, 3 * D, D, l.xn_a, D, wqkv_, D, l.qkv, 3 * D, false);
+        // sa lambdas pre-multiply the QKV and O weights (@shenberg); kept for the step's later micro-steps
+        // and the backward
+        __nv_bfloat16 *wqkv = scaled_qkvo(i), *wo = wqkv + 3 * D * D;
+        if (!fa_.training || fa_.first_micro) {
+            CUDA_CHECK(scale_weight(wqkv, attn_w(i), 3 * D * D, scalars + SCALAR_SA + 2 * i, s));
+            CUDA_CHECK(scale_weight(wo, attn_w(i) + 3 * D * D, D * D, scalars + SCALAR_SA + 2 * i + 1, s));
+        }
+        gemms_.bf16(s, Op::N, Op::T, T, 3 * D, D, l.xn_a, D, wqkv, D, l.qkv, 3 * D, false);
         CUDA_CHECK(qk_norm_rope_forward(rope_params(i), s));
         __nv_bfloat16* v = value(i);
         if (has_value_embed(i)) {
@@ -2313,8 +2319,7 @@ class Model {
         gate::Params og = head_gate(i, attn_gate_w(i));
         og.a = l.y, og.out = l.yg;
         CUDA_CHECK(gate_forward(GateKind::Output, og, s));
-        CUDA_CHECK(scale_weight(wo_, attn_w(i) + 3 * D * D, D * D, scalars + SCALAR_SA + 2 * i + 1, s));
-        gemms_.bf16(s, Op::N, Op::T, T, D, D, l.yg, D, wo_, D, l.x_attn, D, false, 1.f, 1.f, l.x_mix);  // x_mix + y o
+        gemms_.bf16(s, Op::N, Op::T, T, D, D, l.yg, D, wo, D, l.x_attn, D, false, 1.f, 1.f, l.x_mix);  // x_mix + y o
     }
 
     // dx holds d x_attn on entry (and on return); dxn gets the gradient of norm(x_mix) (the caller
@@ -2325,9 +2330,9 @@ class Model {
         const int64_t D = MODEL_DIM, TD = (int64_t)T * D;
         float* scalars = (float*)p_["scalars"].data;
         float* gscalars = (float*)p_["scalars"].grad;
-        // O projection with W'o = sa1 Wo: dyg = dx W'o, dW'o = dx^T yg
-        CUDA_CHECK(scale_weight(wo_, attn_w(i) + 3 * D * D, D * D, scalars + SCALAR_SA + 2 * i + 1, s));
-        gemms_.bf16(s, Op::N, Op::N, T, D, D, dx_, D, wo_, D, dyg_, D, false);
+        // O projection with W'o = sa1 Wo (the forward's): dyg = dx W'o, dW'o = dx^T yg
+        const __nv_bfloat16 *wqkv = scaled_qkvo(i), *wo = wqkv + 3 * D * D;
+        gemms_.bf16(s, Op::N, Op::N, T, D, D, dx_, D, wo, D, dyg_, D, false);
         gemms_.bf16(s, Op::T, Op::N, D, D, T, dx_, D, l.yg, D, dw_, D, true);
         CUDA_CHECK(scale_weight_backward(dw_, attn_w(i) + 3 * D * D, attn_grad(i) + 3 * D * D, D * D,
                                          scalars + SCALAR_SA + 2 * i + 1, gscalars + SCALAR_SA + 2 * i + 1, partial_, s));
@@ -2356,9 +2361,8 @@ class Model {
         }
         // dqkv: q, k through the rope and the QK norm (attention wrote dv in place)
         CUDA_CHECK(qk_norm_rope_backward(rope_params(i), s));
-        // QKV projection with W'qkv = sa0 Wqkv
-        CUDA_CHECK(scale_weight(wqkv_, attn_w(i), 3 * D * D, scalars + SCALAR_SA + 2 * i, s));
-        gemms_.bf16(s, Op::N, Op::N, T, D, 3 * D, dqkv_, 3 * D, wqkv_, D, dxn_, D, false, 1.f, 1.f);
+        // QKV projection with W'qkv = sa0 Wqkv (the forward's)
+        gemms_.bf16(s, Op::N, Op::N, T, D, 3 * D, dqkv_, 3 * D, wqkv, D, dxn_, D, false, 1.f, 1.f);
         gemms_.bf16(s, Op::T, Op::N, 3 * D, D, T, dqkv_, 3 * D, l.xn_a, D, dw_, D, true);
         CUDA_CHECK(scale_weight_backward(dw_, attn_w(i), attn_grad(i), 3 * D * D, scalars + SCALAR_SA + 2 * i,
                                          gscalars + SCALAR_SA + 2 * i, partial_, s));
@@ -2383,7 +2387,6 @@ class Model {
                 CUDA_CHECK(cast_to_fp8(lm_head, V, wf8t_, D, D, V, (float)args_.lm_head_w_s, false, true, s));
                 CUDA_CHECK(cast_to_fp8(lm_head, V, wf8_, V, D, V, (float)args_.lm_head_w_s, false, false, s));
             }
-            CUDA_CHECK(cudaMemsetAsync(lm_grad_, 0, V * D * 4, s));
         }
         for (int r0 = 0; r0 < T; r0 += LOGIT_ROWS) {
             const int rows = std::min(LOGIT_ROWS, T - r0);
@@ -2407,11 +2410,11 @@ class Model {
                 CUDA_CHECK(softcapped_ce_grad_fp8(cp, gf8_, V, gf8t_, rows, (float)args_.lm_head_grad_s, s));
             profile_mark(Part::Head, s);
             if (!training) continue;
-            // d norm(x) = g w^T; d lm_head += x^T g (fp32, as the record's grad_w)
+            // d norm(x) = g w^T; d lm_head = x^T g (fp32, as the record's grad_w: the first chunk writes it)
             gemms_.fp8(s, rows, D, V, gf8_, CUDA_R_8F_E5M2, V, wf8_, CUDA_R_8F_E4M3, V, dxn_head_ + (int64_t)r0 * D, D,
                        false, scales_[2], scales_[1], false);
             gemms_.fp8(s, D, V, rows, xf8t_ + r0, CUDA_R_8F_E4M3, T, gf8t_, CUDA_R_8F_E5M2, rows, lm_grad_, V, true,
-                       scales_[0], scales_[2], false, 1.f);
+                       scales_[0], scales_[2], false, r0 > 0 ? 1.f : 0.f);
         }
         if (training) CUDA_CHECK(add_to_bf16(bf(p_["lm_head"].grad), lm_grad_, V * D, s));
         if (training && grad_ready_) grad_ready_(ReducePoint::AfterHead, -1, s);  // lm_head's gradient is final
@@ -2439,7 +2442,7 @@ class Model {
     DeviceArena arena_;
     Layer layers_[NUM_LAYERS], eval_[2];
     __nv_bfloat16 *eval_skip_ = nullptr, *eval_back_ = nullptr;
-    __nv_bfloat16 *emb_, *xs_, *x0_, *x_last_, *x_back_, *xn_, *ve_[NUM_VALUE_EMBEDS], *wqkv_, *wo_, *logits_;
+    __nv_bfloat16 *emb_, *xs_, *x0_, *x_last_, *x_back_, *xn_, *ve_[NUM_VALUE_EMBEDS], *wqkvo_, *logits_;
     __nv_bfloat162* rope_ = nullptr;  // the rotary table for rope_freq_
     int rope_positions_ = 0;
     std::vector<float> rope_freq_;
