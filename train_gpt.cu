@@ -612,13 +612,13 @@ class StreamTimer {
 // where the GPU waits for the host (data, launches, the loss's readback) count as the part whose
 // mark opened them: marks at the host's waits put those under `host`. Each mark also opens an NVTX
 // range of the part's name, so Nsight Systems shows the same parts on the host's timeline.
-enum class Part { Host, Gemm, Head, Loss, Attention, Elementwise, EmbedBwd, Optimizer, COUNT };
+enum class Part { Host, Gemm, Head, Loss, AttentionFwd, AttentionBwd, Elementwise, EmbedBwd, Optimizer, COUNT };
 static const char* const part_names[] = {"host, data and uploads", "bf16 GEMMs (model)", "fp8 lm_head (casts, GEMMs)",
-                                         "cross-entropy (loss, grad)", "attention (fwd, bwd)",
+                                         "cross-entropy (loss, grad)", "attention forward", "attention backward",
                                          "norms, gates, rope, elementwise", "embedding backward",
                                          "optimizer (and NCCL waits)"};
-static const char* const part_short[] = {"host", "gemm", "head", "loss", "attention", "elementwise", "embed_bwd",
-                                         "optimizer"};
+static const char* const part_short[] = {"host", "gemm", "head", "loss", "attention_fwd", "attention_bwd", "elementwise",
+                                         "embed_bwd", "optimizer"};
 
 class LoopProfiler {
    public:
@@ -790,9 +790,12 @@ class Gemms {
     std::string plan_text() const {
         std::string s;
         for (const auto& [key, p] : plans_) {
-            std::string note = fixed_ ? "given" : p.tuned_ms_first > 0 ? strprintf("tuned: %.4f ms, first choice %.4f ms",
-                                                                                      p.tuned_ms_best, p.tuned_ms_first)
-                                                                        : "first choice";
+            const double tflop = 2e-12 * key.m * key.n * key.k * key.batch;  // per call, for the rate
+            std::string note = fixed_ ? "given"
+                               : p.tuned_ms_first > 0
+                                   ? strprintf("tuned: %.4f ms, %.0f TFLOP/s; first choice %.4f ms", p.tuned_ms_best,
+                                               tflop / (p.tuned_ms_best * 1e-3), p.tuned_ms_first)
+                                   : "first choice";
             s += "gemm " + key_text(key) + " = " + algo_hex(p.candidates.front()) + " (" + note + ")\n";
         }
         return s;
@@ -2313,7 +2316,7 @@ class Model {
             vg.a = v, vg.ld_a = VALUE_LD, vg.b = ve_[LAYERS[i].ve];
             CUDA_CHECK(gate_forward(GateKind::ValueEmbedding, vg, s));
         }
-        profile_mark(Part::Attention, s);
+        profile_mark(Part::AttentionFwd, s);
         CUDA_CHECK(attention_forward(attn_params(i), s));
         profile_mark(Part::Elementwise, s);
         gate::Params og = head_gate(i, attn_gate_w(i));
@@ -2347,7 +2350,7 @@ class Model {
         if (attention_ds_bytes(ap.positions, ap.cu_len, ap.heads, ap.window) > ds_bytes_)
             fail(strprintf("attention backward: window %d exceeds the %d the dS workspace was sized for", ap.window,
                            max_window_));
-        profile_mark(Part::Attention, s);
+        profile_mark(Part::AttentionBwd, s);
         CUDA_CHECK(attention_schedule(ap, s));
         CUDA_CHECK(attention_backward(ap, s, true));
         profile_mark(Part::Elementwise, s);

@@ -102,8 +102,8 @@ static void bench_model(Gemms& gemms, const char* gemm_choice) {
         auto share = [&](Part p) { return 100 * prof.part_ms("bench", p) / t_fb; };
         printf("  %6d tokens: forward (with the lm_head's backward) %7.2f ms, forward + backward %7.2f ms: GEMMs %.0f%%, "
                "attention %.0f%%, lm_head %.0f%%, loss %.0f%%, embedding backward %.0f%%, the rest (elementwise, norms) "
-               "%.0f%%\n", T, t_f, t_fb, share(Part::Gemm), share(Part::Attention), share(Part::Head), share(Part::Loss),
-               share(Part::EmbedBwd), share(Part::Elementwise));
+               "%.0f%%\n", T, t_f, t_fb, share(Part::Gemm), share(Part::AttentionFwd) + share(Part::AttentionBwd),
+               share(Part::Head), share(Part::Loss), share(Part::EmbedBwd), share(Part::Elementwise));
     }
     CUDA_CHECK(cudaStreamDestroy(s));
     printf("  device memory of the parameters, gradients, activations and workspaces: %.1f GiB\n",
