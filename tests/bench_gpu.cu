@@ -110,14 +110,15 @@ static void bench_model(Gemms& gemms, const char* gemm_choice) {
            (free0 - free1) / 1073741824.0);
 }
 
-static void profile_once(int T) {
+static void profile_once(int T, int ws_short, int ws_long) {
     Hyperparameters args;
     Gemms gemms;
     ParamStore params(1, 0);
     Model model(params, gemms, args, T, 0, 512);
     std::mt19937_64 rng(7);
     DeviceBatch b(T, rng);
-    const ForwardArgs fa = bench_forward_args(args);
+    ForwardArgs fa = bench_forward_args(args);
+    fa.ws_short = ws_short, fa.ws_long = ws_long;
     for (int i = 0; i < 2; ++i) {  // the second pass alone is profiled
         if (i == 1) CUDA_CHECK(cudaProfilerStart());
         model.forward(b.tokens, b.cu, b.cu_len, T, fa, 0);
@@ -166,8 +167,8 @@ int main(int argc, char** argv) {
         printf("SKIP: no CUDA GPU here; the GPU benchmarks need one\n");
         return 0;
     }
-    if (argc == 3 && std::string(argv[1]) == "--profile-once") {
-        profile_once(atoi(argv[2]));
+    if ((argc == 3 || argc == 5) && std::string(argv[1]) == "--profile-once") {  // T [ws_short ws_long]
+        profile_once(atoi(argv[2]), argc == 5 ? atoi(argv[3]) : 1, argc == 5 ? atoi(argv[4]) : 3);
         return 0;
     }
     MPI_CHECK(MPI_Init(&argc, &argv));
