@@ -372,15 +372,22 @@ __device__ __forceinline__ void load_tile(uint32_t smem, const __nv_bfloat16* ba
 // tiles row-major in the head dim (K-major); acc must hold zeros on entry. The _issue forms start
 // the MMAs as one commit group and return: the tiles and acc stay untouched until a wgmma wait
 // covers the group (then fence_regs on acc, and on the A fragments of gemm_pb_issue).
+// d (+)= A . B^T over the head dim, 16 at a time; OVERWRITE: the first k-step writes d (no zeros needed)
+template <bool OVERWRITE>
+__device__ __forceinline__ void abt_mmas(float* d, uint32_t a_tile, uint32_t b_tile) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t off = (kk >> 2) * (BLOCK * 128) + (kk & 3) * 32;
+        const uint64_t da = tk::smem_desc(a_tile + off, 16, 1024), db = tk::smem_desc(b_tile + off, 16, 1024);
+        if (OVERWRITE && kk == 0) tk::wgmma_m64n64k16_ss<0>(d, da, db);
+        else tk::wgmma_m64n64k16_ss(d, da, db);
+    }
+}
 __device__ __forceinline__ void gemm_abt_issue(float acc[8][4], uint32_t a_tile, uint32_t b_tile) {
     float* d = &acc[0][0];
     tk::fence_regs<32>(d);
     tk::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t off = (kk >> 2) * (BLOCK * 128) + (kk & 3) * 32;
-        tk::wgmma_m64n64k16_ss(d, tk::smem_desc(a_tile + off, 16, 1024), tk::smem_desc(b_tile + off, 16, 1024));
-    }
+    abt_mmas<false>(d, a_tile, b_tile);
     tk::wgmma_commit();
 }
 // acc0 = A0 . B0^T and acc1 = A1 . B1^T as one commit group; the first k-step of each overwrites its
@@ -391,18 +398,8 @@ __device__ __forceinline__ void gemm_abt2_issue(float acc0[8][4], uint32_t a0, u
     tk::fence_regs<32>(d0);
     tk::fence_regs<32>(d1);
     tk::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t off = (kk >> 2) * (BLOCK * 128) + (kk & 3) * 32;
-        if (kk == 0) tk::wgmma_m64n64k16_ss<0>(d0, tk::smem_desc(a0 + off, 16, 1024), tk::smem_desc(b0 + off, 16, 1024));
-        else tk::wgmma_m64n64k16_ss(d0, tk::smem_desc(a0 + off, 16, 1024), tk::smem_desc(b0 + off, 16, 1024));
-    }
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t off = (kk >> 2) * (BLOCK * 128) + (kk & 3) * 32;
-        if (kk == 0) tk::wgmma_m64n64k16_ss<0>(d1, tk::smem_desc(a1 + off, 16, 1024), tk::smem_desc(b1 + off, 16, 1024));
-        else tk::wgmma_m64n64k16_ss(d1, tk::smem_desc(a1 + off, 16, 1024), tk::smem_desc(b1 + off, 16, 1024));
-    }
+    abt_mmas<true>(d0, a0, b0);
+    abt_mmas<true>(d1, a1, b1);
     tk::wgmma_commit();
 }
 __device__ __forceinline__ void gemm_abt(float acc[8][4], uint32_t a_tile, uint32_t b_tile) {
@@ -1435,9 +1432,6 @@ inline CUresult make_map(CUtensorMap* map, const void* ptr, int rows, int cols, 
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
-}  // namespace lrs
-
-namespace lrs {
 template <int EPI>
 inline cudaError_t launch(const __nv_bfloat16* a, const __nv_bfloat16* w, int rows, int n, int k, __nv_bfloat16* c0,
                           __nv_bfloat16* c1, const __nv_bfloat16* pre, cudaStream_t stream) {
