@@ -354,17 +354,21 @@ __device__ __forceinline__ int64_t row_offset(int g, int64_t stride, int shift, 
 }
 
 // Async copy of rows [row0, row0 + 64) of one head into a tile; rows >= row_end are zeros.
+// A thread copies 16 bytes of every ROWS-th row from its first: ROWS is even, so from one row to the
+// next the source moves by (ROWS >> shift) rows of stride and the swizzle (row & 7) stays, and the
+// addresses are one offset and one step (the loops' per-iteration instructions were mostly these).
 __device__ __forceinline__ void load_tile(uint32_t smem, const __nv_bfloat16* base, int64_t stride, int row0,
                                           int row_end, int shift = 0, int64_t half = 0) {
-    const int tid = threadIdx.x;
-    const int chunk = tid & 15;
+    constexpr int ROWS = THREADS / 16;
+    static_assert(ROWS % 8 == 0, "the swizzle repeats every 8 rows");
+    const int tid = threadIdx.x, chunk = tid & 15, g0 = row0 + (tid >> 4);
+    const __nv_bfloat16* src = base + row_offset(g0, stride, shift, half) + chunk * 8;
+    const int64_t step = (int64_t)(ROWS >> shift) * stride;
+    const uint32_t dst = tile_addr(smem, tid >> 4, chunk * 8);
 #pragma unroll
-    for (int i = 0; i < BLOCK * 16 / THREADS; ++i) {
-        int r = (tid >> 4) + i * (THREADS / 16);
-        int g = row0 + r;
-        bool ok = g < row_end;
-        const __nv_bfloat16* src = base + (ok ? row_offset(g, stride, shift, half) + chunk * 8 : 0);
-        tk::cp_async16(tile_addr(smem, r, chunk * 8), src, ok ? 16 : 0);
+    for (int i = 0; i < BLOCK / ROWS; ++i) {
+        const bool ok = g0 + i * ROWS < row_end;
+        tk::cp_async16(dst + i * ROWS * 128, ok ? src + i * step : base, ok ? 16 : 0);
     }
 }
 
@@ -491,10 +495,15 @@ __device__ __forceinline__ bool key_tile_needs_mask(const Params& p, int q0, int
 // The MMAs run asynchronously so that the tensor cores see P V of one key tile and Q K^T of the
 // next back to back: iteration nb issues S = Q K^T, waits for it (and for the previous P V),
 // refills the other buffers, does the softmax and issues P V, which completes under the next wait.
+// K and V share three tile slots: after that wait only V of tile nb is still read (by the P V issued
+// later), so K and V of tile nb + 1 go where K of tile nb and V of tile nb - 1 were: K of tile nb in
+// slot -nb mod 3, V in slot 1 - nb mod 3. With 64 KB of tiles three CTAs fit an SM (four slots let
+// two: the kernel waits on latency, not on the tensor cores, and a third CTA hides more of it).
+__device__ __forceinline__ uint32_t fwd_slot(uint32_t slots, int n) { return slots + ((3 - n % 3) % 3) * TILE_BYTES; }
 __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* smem, int s0, int s1, int q0) {
     const int h = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const uint32_t sQ = tk::smem_u32(smem), sK = sQ + TILE_BYTES, sV = sQ + 3 * TILE_BYTES;  // K[2], V[2]
+    const uint32_t sQ = tk::smem_u32(smem), slots = sQ + TILE_BYTES;  // K of tile n: fwd_slot(n), V: fwd_slot(n - 1)
     const __nv_bfloat16* qh = p.q + h * D;
     const __nv_bfloat16* kh = p.k + h * D;
     const __nv_bfloat16* vh = p.v + h * D;
@@ -503,8 +512,8 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* sm
     key_blocks(p, s0, s1, q0, kb_first, nblocks);
 
     load_tile(sQ, qh, p.q_stride, q0, s1);
-    load_tile(sK, kh, p.k_stride, kb_first, s1);
-    load_tile(sV, vh, p.v_stride, kb_first, s1, p.v_shift, p.v_half);
+    load_tile(fwd_slot(slots, 0), kh, p.k_stride, kb_first, s1);
+    load_tile(fwd_slot(slots, -1 + 3), vh, p.v_stride, kb_first, s1, p.v_shift, p.v_half);
     tk::cp_async_commit();
 
     const float sl2 = p.scale * LOG2E;
@@ -516,8 +525,7 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* sm
 
     for (int nb = 0; nb < nblocks; ++nb) {
         const int k0 = kb_first + nb * BLOCK;
-        const int buf = nb & 1;
-        const uint32_t kt = sK + buf * TILE_BYTES, vt = sV + buf * TILE_BYTES;
+        const uint32_t kt = fwd_slot(slots, nb), vt = fwd_slot(slots, nb + 2);  // (nb - 1 mod 3)
         tk::cp_async_wait<0>();
         tk::fence_proxy_async();  // make the copied tiles visible to the tensor cores
         __syncthreads();
@@ -528,8 +536,8 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* sm
         settle(o, pf);
         __syncthreads();  // every warp is done with the other buffers: refill them
         if (nb + 1 < nblocks) {
-            load_tile(sK + (buf ^ 1) * TILE_BYTES, kh, p.k_stride, k0 + BLOCK, s1);
-            load_tile(sV + (buf ^ 1) * TILE_BYTES, vh, p.v_stride, k0 + BLOCK, s1, p.v_shift, p.v_half);
+            load_tile(fwd_slot(slots, nb + 1), kh, p.k_stride, k0 + BLOCK, s1);  // where V of nb - 1 was
+            load_tile(kt, vh, p.v_stride, k0 + BLOCK, s1, p.v_shift, p.v_half);    // where K of nb was
             tk::cp_async_commit();
         }
 
@@ -566,10 +574,13 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* sm
             }
 #pragma unroll
         for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + rs[r];
+        // o *= alpha, unless no row of the warp changed its maximum (alpha 1: the same bits)
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-        for (int dt = 0; dt < 16; ++dt) {
-            o[dt][0] *= alpha[0], o[dt][1] *= alpha[0];
-            o[dt][2] *= alpha[1], o[dt][3] *= alpha[1];
+            for (int dt = 0; dt < 16; ++dt) {
+                o[dt][0] *= alpha[0], o[dt][1] *= alpha[0];
+                o[dt][2] *= alpha[1], o[dt][3] *= alpha[1];
+            }
         }
         to_a_frags(pf, s);
         gemm_pb_issue(o, pf, vt);
@@ -612,6 +623,11 @@ __global__ void attn_bwd_delta_kernel(const Params p) {
     if (lane == 0) p.delta[(int64_t)h * p.positions + i] = sum;
 }
 
+// this thread's float of 64 of a (heads, positions) row from i0 (threads below 64; past the end: 0)
+__device__ __forceinline__ float fetch_row_stat(const float* src, int i0, int end) {
+    const int t = threadIdx.x;
+    return t < BLOCK && i0 + t < end ? src[i0 + t] : 0.f;
+}
 // loads 64 floats of a (heads, positions) row into shared memory, log2-scaled; past the end: 0
 __device__ __forceinline__ void load_row_stats(float* dst, const float* src, int i0, int end, float mul) {
     const int t = threadIdx.x;
@@ -667,12 +683,15 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
         tk::fence_regs<32>(&s[0][0]);
         tk::fence_regs<32>(&dp[0][0]);
         __syncthreads();  // every warp is done with the other buffers: refill them
+        // the next tile's lse and delta: loaded into registers here, stored at the end of the iteration
+        // (a store right after its load would hold warps 0-1, and with them the MMAs, for the DRAM latency)
+        float lse_next = 0.f, delta_next = 0.f;
         if (nb + 1 < nblocks) {
             load_tile(sQ + (buf ^ 1) * TILE_BYTES, qh, p.q_stride, qb + BLOCK, s1);
             load_tile(sO + (buf ^ 1) * TILE_BYTES, doh, p.dout_stride, qb + BLOCK, s1);
             tk::cp_async_commit();
-            load_row_stats(sL + (buf ^ 1) * BLOCK, lse_h, qb + BLOCK, s1, LOG2E);
-            load_row_stats(sDl + (buf ^ 1) * BLOCK, delta_h, qb + BLOCK, s1, 1.f);
+            lse_next = fetch_row_stat(lse_h, qb + BLOCK, s1);
+            delta_next = fetch_row_stat(delta_h, qb + BLOCK, s1);
         }
         const bool need_mask = qb < k0 + BLOCK - 1 || qb + BLOCK - 1 - k0 > p.window || qb + BLOCK > s1;
         const ColumnRange cr[2] = {key_columns(p, key_lo, s1, qb, cb), key_columns(p, key_lo + 8, s1, qb, cb)};
@@ -699,6 +718,10 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
         for (int kk = 0; kk < 4; ++kk) {
             out[kk * 8] = dsf[kk][0], out[8 * BLOCK / 2 + kk * 8] = dsf[kk][1];
             out[kk * 8 + 4] = dsf[kk][2], out[8 * BLOCK / 2 + kk * 8 + 4] = dsf[kk][3];
+        }
+        if (nb + 1 < nblocks && threadIdx.x < BLOCK) {  // read after the next iteration's barrier
+            sL[(buf ^ 1) * BLOCK + threadIdx.x] = lse_next * LOG2E;
+            sDl[(buf ^ 1) * BLOCK + threadIdx.x] = delta_next;
         }
     }
     store_rows(p.dk + h * D, p.dk_stride, k0 + warp * 16, s1, dk, p.scale, p.scale);
@@ -762,11 +785,11 @@ __device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, unsigned char*
     store_rows(p.dq + h * D, p.dq_stride, q0 + warp * 16, s1, dq, p.scale, p.scale);
 }
 
-constexpr int FWD_SMEM = 5 * TILE_BYTES + 1024;                  // Q, K[2], V[2] (+ alignment)
+constexpr int FWD_SMEM = 4 * TILE_BYTES + 1024;                  // Q, three K/V slots (+ alignment)
 constexpr int BWD_SMEM = 6 * TILE_BYTES + 4 * BLOCK * 4 + 1024;  // dK/dV: K, V, Q[2], dO[2], lse[2], delta[2]
 constexpr int DQ_SMEM = DQ_STAGES * (DS_TILE_BYTES + TILE_BYTES) + 1024;  // dQ: (dS^T, K)[DQ_STAGES]
 
-__global__ void __launch_bounds__(THREADS) attn_fwd_kernel(const Params p) {
+__global__ void __launch_bounds__(THREADS, 3) attn_fwd_kernel(const Params p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (tk::smem_u32(smem_raw) & 1023)) & 1023);
     const int total = p.tiles[0].x;
@@ -926,7 +949,14 @@ __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) 
     };
     auto cap = [&](float x) { return FAST ? fmaf(tc.h, tc.t(x), tc.h) : softcap(p, nic, x); };
     int v = threadIdx.x;
-    for (; v + THREADS < nvec; v += 2 * THREADS) {  // two loads in flight
+    for (; v + 3 * THREADS < nvec; v += 4 * THREADS) {  // four loads in flight (64 KB an SM at 4 CTAs)
+        float f[4][8];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) tk::load8(x + (v + u * THREADS) * 8, f[u]);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) add8(f[u]);
+    }
+    for (; v + THREADS < nvec; v += 2 * THREADS) {  // the rest: the same order of terms
         float f[8], g[8];
         tk::load8(x + v * 8, f);
         tk::load8(x + (v + THREADS) * 8, g);
