@@ -183,6 +183,13 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// four 8 x 8 b16 matrices from a warp's mma fragments (register j: matrix j) into shared memory,
+// lane i giving the address of row i % 8 of matrix i / 8
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t r[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+                 "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
@@ -249,6 +256,7 @@ constexpr int D = 128;        // head dim
 constexpr int BLOCK = 64;     // queries (or keys) per CTA and keys (or queries) per inner tile
 constexpr int THREADS = 128;  // 4 warps, 16 rows each
 constexpr int TILE_BYTES = BLOCK * D * 2;
+constexpr int DS_PITCH = BLOCK * 2 + 16;  // bytes a row of dS^T staged in shared memory (conflict-free)
 constexpr float LOG2E = 1.4426950408889634f;
 
 struct Params {
@@ -646,6 +654,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
                    sO = sK + 4 * TILE_BYTES;  // sQ[2], sdO[2]
     float* sL = reinterpret_cast<float*>(smem + 6 * TILE_BYTES);  // [2][64] lse * log2e
     float* sDl = sL + 2 * BLOCK;                                    // [2][64] delta
+    // this warp's 16 rows of dS^T on their way to p.ds (rows DS_PITCH bytes apart: no bank conflicts)
+    const uint32_t sDS = tk::smem_u32(smem + 6 * TILE_BYTES + 4 * BLOCK * 4) + warp * 16 * DS_PITCH;
     const __nv_bfloat16* qh = p.q + h * D;
     const __nv_bfloat16* doh = p.dout + h * D;
     const float* lse_h = p.lse + (int64_t)h * p.positions;
@@ -712,13 +722,25 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
         tk::wgmma_wait_all();
         settle(dv, pf);
         settle(dk, dsf);
-        // dS^T for the dQ pass: this thread's rows key_lo, key_lo + 8 of the tile, two columns per word
-        uint32_t* out = reinterpret_cast<uint32_t*>(ds_tile(p, h, k0, seq, nb) + (key_lo - k0) * BLOCK + cb);
+        // dS^T for the dQ pass: the warp's 16 rows through shared memory (dsf[kk] holds the 8 x 8
+        // blocks at rows 0 / 8, columns 16 kk / 16 kk + 8), then 16-byte stores of whole rows: four
+        // a thread where its words took sixteen (the global store queue throttled the kernel)
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            out[kk * 8] = dsf[kk][0], out[8 * BLOCK / 2 + kk * 8] = dsf[kk][1];
-            out[kk * 8 + 4] = dsf[kk][2], out[8 * BLOCK / 2 + kk * 8 + 4] = dsf[kk][3];
+        for (int kk = 0; kk < 4; ++kk)
+            tk::stmatrix_x4(sDS + ((lane & 7) + 8 * ((lane >> 3) & 1)) * DS_PITCH + (16 * kk + 8 * (lane >> 4)) * 2, dsf[kk]);
+        __syncwarp();
+        __nv_bfloat16* out = ds_tile(p, h, k0, seq, nb) + warp * 16 * BLOCK;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int c = lane + 32 * i, row = c >> 3, chunk = c & 7;
+            uint4 v;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(sDS + row * DS_PITCH + chunk * 16)
+                         : "memory");
+            *reinterpret_cast<uint4*>(out + row * BLOCK + chunk * 8) = v;
         }
+        __syncwarp();  // read before the next tile's stmatrix
         if (nb + 1 < nblocks && threadIdx.x < BLOCK) {  // read after the next iteration's barrier
             sL[(buf ^ 1) * BLOCK + threadIdx.x] = lse_next * LOG2E;
             sDl[(buf ^ 1) * BLOCK + threadIdx.x] = delta_next;
@@ -786,7 +808,8 @@ __device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, unsigned char*
 }
 
 constexpr int FWD_SMEM = 4 * TILE_BYTES + 1024;                  // Q, three K/V slots (+ alignment)
-constexpr int BWD_SMEM = 6 * TILE_BYTES + 4 * BLOCK * 4 + 1024;  // dK/dV: K, V, Q[2], dO[2], lse[2], delta[2]
+constexpr int BWD_SMEM = 6 * TILE_BYTES + 4 * BLOCK * 4 + BLOCK * DS_PITCH + 1024;  // dK/dV: K, V, Q[2], dO[2],
+                                                                                 // lse[2], delta[2], dS^T rows
 constexpr int DQ_SMEM = DQ_STAGES * (DS_TILE_BYTES + TILE_BYTES) + 1024;  // dQ: (dS^T, K)[DQ_STAGES]
 
 __global__ void __launch_bounds__(THREADS, 3) attn_fwd_kernel(const Params p) {
