@@ -685,16 +685,10 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
         const float* Dl = sDl + buf * BLOCK;
         tk::cp_async_wait<0>();
         tk::fence_proxy_async();
-        __syncthreads();
-        // P^T = exp(S^T - lse), S^T = K Q^T; dP^T = V dO^T (16 keys x 64 queries per warp)
-        float s[8][4], dp[8][4];  // written whole by the MMAs' first k-steps
-        gemm_abt2_issue(s, sK, qt, dp, sV, ot);
-        tk::wgmma_wait_all();
-        tk::fence_regs<32>(&s[0][0]);
-        tk::fence_regs<32>(&dp[0][0]);
-        __syncthreads();  // every warp is done with the other buffers: refill them
-        // the next tile's lse and delta: loaded into registers here, stored at the end of the iteration
-        // (a store right after its load would hold warps 0-1, and with them the MMAs, for the DRAM latency)
+        __syncthreads();  // and every warp is done with tile nb - 1 (its MMAs were waited for): refill
+        // the other buffers before this tile's MMAs, which then run under the copies. The next tile's
+        // lse and delta: loaded into registers here, stored at the end of the iteration (a store right
+        // after its load would hold warps 0-1, and with them the MMAs, for the DRAM latency)
         float lse_next = 0.f, delta_next = 0.f;
         if (nb + 1 < nblocks) {
             load_tile(sQ + (buf ^ 1) * TILE_BYTES, qh, p.q_stride, qb + BLOCK, s1);
@@ -703,6 +697,12 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
             lse_next = fetch_row_stat(lse_h, qb + BLOCK, s1);
             delta_next = fetch_row_stat(delta_h, qb + BLOCK, s1);
         }
+        // P^T = exp(S^T - lse), S^T = K Q^T; dP^T = V dO^T (16 keys x 64 queries per warp)
+        float s[8][4], dp[8][4];  // written whole by the MMAs' first k-steps
+        gemm_abt2_issue(s, sK, qt, dp, sV, ot);
+        tk::wgmma_wait_all();
+        tk::fence_regs<32>(&s[0][0]);
+        tk::fence_regs<32>(&dp[0][0]);
         const bool need_mask = qb < k0 + BLOCK - 1 || qb + BLOCK - 1 - k0 > p.window || qb + BLOCK > s1;
         const ColumnRange cr[2] = {key_columns(p, key_lo, s1, qb, cb), key_columns(p, key_lo + 8, s1, qb, cb)};
 #pragma unroll
