@@ -190,6 +190,12 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t r[4]) 
                  "r"(r[2]), "r"(r[3])
                  : "memory");
 }
+// 16 bytes from shared memory
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+    return v;
+}
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
@@ -521,7 +527,7 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* sm
 
     load_tile(sQ, qh, p.q_stride, q0, s1);
     load_tile(fwd_slot(slots, 0), kh, p.k_stride, kb_first, s1);
-    load_tile(fwd_slot(slots, -1 + 3), vh, p.v_stride, kb_first, s1, p.v_shift, p.v_half);
+    load_tile(fwd_slot(slots, -1), vh, p.v_stride, kb_first, s1, p.v_shift, p.v_half);
     tk::cp_async_commit();
 
     const float sl2 = p.scale * LOG2E;
@@ -638,8 +644,7 @@ __device__ __forceinline__ float fetch_row_stat(const float* src, int i0, int en
 }
 // loads 64 floats of a (heads, positions) row into shared memory, log2-scaled; past the end: 0
 __device__ __forceinline__ void load_row_stats(float* dst, const float* src, int i0, int end, float mul) {
-    const int t = threadIdx.x;
-    if (t < BLOCK) dst[t] = i0 + t < end ? src[i0 + t] * mul : 0.f;
+    if (threadIdx.x < BLOCK) dst[threadIdx.x] = fetch_row_stat(src, i0, end) * mul;
 }
 
 // ---- backward dK, dV: one CTA per (64-key tile, head), over the query tiles that see it ----
@@ -733,12 +738,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int c = lane + 32 * i, row = c >> 3, chunk = c & 7;
-            uint4 v;
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                         : "r"(sDS + row * DS_PITCH + chunk * 16)
-                         : "memory");
-            *reinterpret_cast<uint4*>(out + row * BLOCK + chunk * 8) = v;
+            *reinterpret_cast<uint4*>(out + row * BLOCK + chunk * 8) = tk::lds128(sDS + row * DS_PITCH + chunk * 16);
         }
         __syncwarp();  // read before the next tile's stmatrix
         if (nb + 1 < nblocks && threadIdx.x < BLOCK) {  // read after the next iteration's barrier
@@ -1447,10 +1447,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int it = 0; it < BM * BN / 8 / 128; ++it) {
             const int c = it * 128 + t128, r = c / (BN / 8), ch = c % (BN / 8), row = m0 + r;
             if (row >= M) continue;
-            uint4 v;
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                         : "r"(tile + r * STAGE_ROW + ch * 16));
+            const uint4 v = tk::lds128(tile + r * STAGE_ROW + ch * 16);
             const int64_t at = (int64_t)row * ldc + n0 + 8 * ch;
             *reinterpret_cast<uint4*>(c0 + at) = v;
             if (EPI == 0) {
