@@ -131,6 +131,49 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss(float* d, uint64_t da, uint6
 __device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// mbarriers and TMA loads (the fused MLP GEMMs' pipeline, the attention kernels' tile copies)
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+        ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+        ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}
+// A bf16 tensor of `rank` dimensions (dims innermost first, byte strides of the outer ones) as TMA
+// boxes of `box` elements, in the 128-byte swizzle that wgmma reads; coordinates past dims read zeros
+inline CUresult make_tensor_map(CUtensorMap* map, const void* ptr, int rank, const cuuint64_t* dims,
+                                const cuuint64_t* strides, const cuuint32_t* box) {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+    if (!encode) {
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", (void**)&encode, 12000, cudaEnableDefault, &q) !=
+                cudaSuccess || q != cudaDriverEntryPointSuccess)
+            return CUDA_ERROR_NOT_FOUND;
+    }
+    const cuuint32_t estr[3] = {1, 1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(ptr), dims, strides, box, estr,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
 // 2^x on the SFU (ex2.approx.ftz: 2 ulp, results below 2^-126 flushed to zero; exp2f adds range
 // fix-ups, instructions that the attention and cross-entropy passes do not need)
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -401,11 +444,12 @@ __device__ __forceinline__ void abt_mmas(float* d, uint32_t a_tile, uint32_t b_t
         else tk::wgmma_m64n64k16_ss(d, da, db);
     }
 }
+template <bool OVERWRITE = false>
 __device__ __forceinline__ void gemm_abt_issue(float acc[8][4], uint32_t a_tile, uint32_t b_tile) {
     float* d = &acc[0][0];
     tk::fence_regs<32>(d);
     tk::wgmma_fence();
-    abt_mmas<false>(d, a_tile, b_tile);
+    abt_mmas<OVERWRITE>(d, a_tile, b_tile);
     tk::wgmma_commit();
 }
 // acc0 = A0 . B0^T and acc1 = A1 . B1^T as one commit group; the first k-step of each overwrites its
@@ -514,21 +558,43 @@ __device__ __forceinline__ bool key_tile_needs_mask(const Params& p, int q0, int
 // slot -nb mod 3, V in slot 1 - nb mod 3. With 64 KB of tiles three CTAs fit an SM (four slots let
 // two: the kernel waits on latency, not on the tensor cores, and a third CTA hides more of it).
 __device__ __forceinline__ uint32_t fwd_slot(uint32_t slots, int n) { return slots + ((3 - n % 3) % 3) * TILE_BYTES; }
-__device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* smem, int s0, int s1, int q0) {
-    const int h = blockIdx.y;
+// The tiles come by TMA (one thread issues a tile's two 64-column boxes; no thread computes an
+// address): q and k as (positions, heads x 128) maps, v as (rows, positions a row, heads x 128), the
+// paired layout's two positions a row its middle dimension. Rows past the sequence hold the next
+// one's (finite) values where load_tile wrote zeros: their keys are masked, and P is 0 on them.
+struct FwdMaps {
+    CUtensorMap q, k, v;
+};
+__device__ __forceinline__ void tma_tile(uint32_t dst, const CUtensorMap* map, int col, int row, uint32_t bar) {
+    tk::tma_load_2d(dst, map, col, row, bar);
+    tk::tma_load_2d(dst + BLOCK * 128, map, col + 64, row, bar);
+}
+__device__ __forceinline__ void tma_v_tile(uint32_t dst, const CUtensorMap* map, int col, int row, int shift,
+                                           uint32_t bar) {
+    tk::tma_load_3d(dst, map, col, 0, row >> shift, bar);
+    tk::tma_load_3d(dst + BLOCK * 128, map, col + 64, 0, row >> shift, bar);
+}
+
+__device__ __forceinline__ void attn_fwd_tile(const Params& p, const FwdMaps& maps, unsigned char* smem, int s0, int s1,
+                                              int q0) {
+    const int h = blockIdx.y, col = h * D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const uint32_t sQ = tk::smem_u32(smem), slots = sQ + TILE_BYTES;  // K of tile n: fwd_slot(n), V: fwd_slot(n - 1)
-    const __nv_bfloat16* qh = p.q + h * D;
-    const __nv_bfloat16* kh = p.k + h * D;
-    const __nv_bfloat16* vh = p.v + h * D;
+    const uint32_t bars = sQ + 4 * TILE_BYTES;  // tile n's copies arrive on the mbarrier at bars + 8 (n & 1)
 
     int kb_first, nblocks;
     key_blocks(p, s0, s1, q0, kb_first, nblocks);
 
-    load_tile(sQ, qh, p.q_stride, q0, s1);
-    load_tile(fwd_slot(slots, 0), kh, p.k_stride, kb_first, s1);
-    load_tile(fwd_slot(slots, -1), vh, p.v_stride, kb_first, s1, p.v_shift, p.v_half);
-    tk::cp_async_commit();
+    if (threadIdx.x == 0) {
+        tk::mbar_init(bars, 1);
+        tk::mbar_init(bars + 8, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        tk::mbar_expect_tx(bars, 3 * TILE_BYTES);
+        tma_tile(sQ, &maps.q, col, q0, bars);
+        tma_tile(fwd_slot(slots, 0), &maps.k, col, kb_first, bars);
+        tma_v_tile(fwd_slot(slots, -1), &maps.v, col, kb_first, p.v_shift, bars);
+    }
+    __syncthreads();  // the barriers initialized before anyone waits on them
 
     const float sl2 = p.scale * LOG2E;
     float o[16][4] = {};
@@ -540,19 +606,18 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, unsigned char* sm
     for (int nb = 0; nb < nblocks; ++nb) {
         const int k0 = kb_first + nb * BLOCK;
         const uint32_t kt = fwd_slot(slots, nb), vt = fwd_slot(slots, nb + 2);  // (nb - 1 mod 3)
-        tk::cp_async_wait<0>();
-        tk::fence_proxy_async();  // make the copied tiles visible to the tensor cores
-        __syncthreads();
-        float s[8][4] = {};
-        gemm_abt_issue(s, sQ, kt);
+        tk::mbar_wait(bars + 8 * (nb & 1), (nb >> 1) & 1);  // K and V of tile nb (and Q) have landed
+        float s[8][4];  // written whole by the MMAs' first k-step
+        gemm_abt_issue<true>(s, sQ, kt);
         tk::wgmma_wait_all();  // S, and the previous tile's P V
         tk::fence_regs<32>(&s[0][0]);
         settle(o, pf);
         __syncthreads();  // every warp is done with the other buffers: refill them
-        if (nb + 1 < nblocks) {
-            load_tile(fwd_slot(slots, nb + 1), kh, p.k_stride, k0 + BLOCK, s1);  // where V of nb - 1 was
-            load_tile(kt, vh, p.v_stride, k0 + BLOCK, s1, p.v_shift, p.v_half);    // where K of nb was
-            tk::cp_async_commit();
+        if (nb + 1 < nblocks && threadIdx.x == 0) {
+            const uint32_t bar = bars + 8 * ((nb + 1) & 1);
+            tk::mbar_expect_tx(bar, 2 * TILE_BYTES);
+            tma_tile(fwd_slot(slots, nb + 1), &maps.k, col, k0 + BLOCK, bar);     // where V of nb - 1 was
+            tma_v_tile(kt, &maps.v, col, k0 + BLOCK, p.v_shift, bar);             // where K of nb was
         }
 
         const bool need_mask = key_tile_needs_mask(p, q0, k0, s1);
@@ -652,8 +717,14 @@ __device__ __forceinline__ void load_row_stats(float* dst, const float* src, int
 // and dK += dS^T Q, waited for in the same iteration: left in flight across the loop's back edge
 // they made ptxas serialize every wgmma of the kernel (its C7515 warning), 8 ms more a 393k step.
 // dS^T also goes to p.ds for the dQ pass.
-__device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned char* smem, int s1, int k0, int seq) {
-    const int h = blockIdx.y;
+// the dK/dV pass's maps: the forward's and dout's (as q's)
+struct BwdMaps {
+    FwdMaps f;
+    CUtensorMap dout;
+};
+__device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, const BwdMaps& maps, unsigned char* smem, int s1,
+                                                   int k0, int seq) {
+    const int h = blockIdx.y, col = h * D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const uint32_t sK = tk::smem_u32(smem), sV = sK + TILE_BYTES, sQ = sK + 2 * TILE_BYTES,
                    sO = sK + 4 * TILE_BYTES;  // sQ[2], sdO[2]
@@ -661,20 +732,26 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
     float* sDl = sL + 2 * BLOCK;                                    // [2][64] delta
     // this warp's 16 rows of dS^T on their way to p.ds (rows DS_PITCH bytes apart: no bank conflicts)
     const uint32_t sDS = tk::smem_u32(smem + 6 * TILE_BYTES + 4 * BLOCK * 4) + warp * 16 * DS_PITCH;
-    const __nv_bfloat16* qh = p.q + h * D;
-    const __nv_bfloat16* doh = p.dout + h * D;
+    // query tile n's Q and dO arrive (by TMA, as the forward's tiles) on the mbarrier at bars + 8 (n & 1)
+    const uint32_t bars = tk::smem_u32(smem + 6 * TILE_BYTES + 4 * BLOCK * 4 + BLOCK * DS_PITCH);
     const float* lse_h = p.lse + (int64_t)h * p.positions;
     const float* delta_h = p.delta + (int64_t)h * p.positions;
 
     const int nblocks = query_blocks(p, s1, k0);
 
-    load_tile(sK, p.k + h * D, p.k_stride, k0, s1);
-    load_tile(sV, p.v + h * D, p.v_stride, k0, s1, p.v_shift, p.v_half);
-    load_tile(sQ, qh, p.q_stride, k0, s1);
-    load_tile(sO, doh, p.dout_stride, k0, s1);
-    tk::cp_async_commit();
+    if (threadIdx.x == 0) {
+        tk::mbar_init(bars, 1);
+        tk::mbar_init(bars + 8, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        tk::mbar_expect_tx(bars, 4 * TILE_BYTES);
+        tma_tile(sK, &maps.f.k, col, k0, bars);
+        tma_v_tile(sV, &maps.f.v, col, k0, p.v_shift, bars);
+        tma_tile(sQ, &maps.f.q, col, k0, bars);
+        tma_tile(sO, &maps.dout, col, k0, bars);
+    }
     load_row_stats(sL, lse_h, k0, s1, LOG2E);
     load_row_stats(sDl, delta_h, k0, s1, 1.f);
+    __syncthreads();  // the barriers initialized before anyone waits on them
 
     const float sl2 = p.scale * LOG2E;
     float dk[16][4] = {}, dv[16][4] = {};
@@ -688,17 +765,20 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
         const uint32_t qt = sQ + buf * TILE_BYTES, ot = sO + buf * TILE_BYTES;
         const float* L = sL + buf * BLOCK;
         const float* Dl = sDl + buf * BLOCK;
-        tk::cp_async_wait<0>();
-        tk::fence_proxy_async();
-        __syncthreads();  // and every warp is done with tile nb - 1 (its MMAs were waited for): refill
-        // the other buffers before this tile's MMAs, which then run under the copies. The next tile's
-        // lse and delta: loaded into registers here, stored at the end of the iteration (a store right
-        // after its load would hold warps 0-1, and with them the MMAs, for the DRAM latency)
+        tk::mbar_wait(bars + 8 * (nb & 1), (nb >> 1) & 1);  // Q and dO of tile nb have landed
+        __syncthreads();  // and every warp is done with tile nb - 1 (its MMAs were waited for; its stores
+        // of this tile's lse and delta are visible): refill the other buffers before this tile's MMAs,
+        // which then run under the copies. The next tile's lse and delta: loaded into registers here,
+        // stored at the end of the iteration (a store right after its load would hold warps 0-1, and
+        // with them the MMAs, for the DRAM latency)
         float lse_next = 0.f, delta_next = 0.f;
         if (nb + 1 < nblocks) {
-            load_tile(sQ + (buf ^ 1) * TILE_BYTES, qh, p.q_stride, qb + BLOCK, s1);
-            load_tile(sO + (buf ^ 1) * TILE_BYTES, doh, p.dout_stride, qb + BLOCK, s1);
-            tk::cp_async_commit();
+            if (threadIdx.x == 0) {
+                const uint32_t bar = bars + 8 * ((nb + 1) & 1);
+                tk::mbar_expect_tx(bar, 2 * TILE_BYTES);
+                tma_tile(sQ + (buf ^ 1) * TILE_BYTES, &maps.f.q, col, qb + BLOCK, bar);
+                tma_tile(sO + (buf ^ 1) * TILE_BYTES, &maps.dout, col, qb + BLOCK, bar);
+            }
             lse_next = fetch_row_stat(lse_h, qb + BLOCK, s1);
             delta_next = fetch_row_stat(delta_h, qb + BLOCK, s1);
         }
@@ -755,42 +835,43 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, unsigned cha
 constexpr int DS_TILE_BYTES = BLOCK * BLOCK * 2;
 constexpr int DQ_STAGES = 3;
 
-// rows [0, 64) of a 64 x 64 dS^T tile into the first half of a swizzled tile
-__device__ __forceinline__ void load_ds_tile(uint32_t smem, const __nv_bfloat16* src) {
-    const int tid = threadIdx.x;
-#pragma unroll
-    for (int i = 0; i < BLOCK * 8 / THREADS; ++i) {
-        const int r = (tid >> 3) + i * (THREADS / 8), chunk = tid & 7;
-        tk::cp_async16(tile_addr(smem, r, chunk * 8), src + r * BLOCK + chunk * 8, 16);
-    }
-}
-
-__device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, unsigned char* smem, int s0, int s1, int q0, int seq) {
-    const int h = blockIdx.y;
+// the dQ pass's maps: the dS^T workspace as rows of 64 (a tile: 64 rows from ds_index * 64), and k
+struct DqMaps {
+    CUtensorMap ds, k;
+};
+__device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, const DqMaps& maps, unsigned char* smem, int s0, int s1,
+                                                 int q0, int seq) {
+    const int h = blockIdx.y, col = h * D;
     const int warp = threadIdx.x >> 5;
-    // DQ_STAGES stages of (dS^T tile, K tile): each product is short, so the loads run ahead
-    const uint32_t sDS = tk::smem_u32(smem), sK = sDS + DQ_STAGES * DS_TILE_BYTES;
-    const __nv_bfloat16* kh = p.k + h * D;
+    // DQ_STAGES stages of (dS^T tile, K tile): each product is short, so the loads run ahead; stage
+    // st's copies arrive (by TMA) on the mbarrier at bars + 8 st
+    const uint32_t sDS = tk::smem_u32(smem), sK = sDS + DQ_STAGES * DS_TILE_BYTES, bars = sK + DQ_STAGES * TILE_BYTES;
 
     int kb_first, nblocks;
     key_blocks(p, s0, s1, q0, kb_first, nblocks);
-    auto load = [&](int nb) {  // key tile nb into its stage, as one commit group (empty past the end)
-        if (nb < nblocks) {
+    auto load = [&](int nb) {  // key tile nb into its stage (thread 0)
+        if (nb < nblocks && threadIdx.x == 0) {
             const int k0 = kb_first + nb * BLOCK, st = nb % DQ_STAGES;
-            load_ds_tile(sDS + st * DS_TILE_BYTES, ds_tile(p, h, k0, seq, (q0 - k0) / BLOCK));
-            load_tile(sK + st * TILE_BYTES, kh, p.k_stride, k0, s1);
+            const uint32_t bar = bars + 8 * st;
+            tk::mbar_expect_tx(bar, DS_TILE_BYTES + TILE_BYTES);
+            tk::tma_load_2d(sDS + st * DS_TILE_BYTES, &maps.ds, 0, (int)ds_index(p, h, k0, seq, (q0 - k0) / BLOCK) * BLOCK,
+                            bar);
+            tma_tile(sK + st * TILE_BYTES, &maps.k, col, k0, bar);
         }
-        tk::cp_async_commit();
     };
+    if (threadIdx.x == 0) {
+        for (int st = 0; st < DQ_STAGES; ++st) tk::mbar_init(bars + 8 * st, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
 #pragma unroll
     for (int nb = 0; nb < DQ_STAGES - 1; ++nb) load(nb);
+    __syncthreads();  // the barriers initialized before anyone waits on them
 
     float dq[16][4] = {};
     for (int nb = 0; nb < nblocks; ++nb) {
         const int st = nb % DQ_STAGES;
         const uint32_t dst = sDS + st * DS_TILE_BYTES, kt = sK + st * TILE_BYTES;
-        tk::cp_async_wait<DQ_STAGES - 2>();  // key tile nb has landed
-        tk::fence_proxy_async();
+        tk::mbar_wait(bars + 8 * st, (nb / DQ_STAGES) & 1);  // key tile nb has landed
         __syncthreads();  // and every warp is done with tile nb - 1's stage (its MMA was waited for)
         load(nb + DQ_STAGES - 1);
         float* d = &dq[0][0];
@@ -807,34 +888,34 @@ __device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, unsigned char*
     store_rows(p.dq + h * D, p.dq_stride, q0 + warp * 16, s1, dq, p.scale, p.scale);
 }
 
-constexpr int FWD_SMEM = 4 * TILE_BYTES + 1024;                  // Q, three K/V slots (+ alignment)
-constexpr int BWD_SMEM = 6 * TILE_BYTES + 4 * BLOCK * 4 + BLOCK * DS_PITCH + 1024;  // dK/dV: K, V, Q[2], dO[2],
-                                                                                 // lse[2], delta[2], dS^T rows
-constexpr int DQ_SMEM = DQ_STAGES * (DS_TILE_BYTES + TILE_BYTES) + 1024;  // dQ: (dS^T, K)[DQ_STAGES]
+constexpr int FWD_SMEM = 4 * TILE_BYTES + 16 + 1024;             // Q, three K/V slots, 2 mbarriers (+ alignment)
+constexpr int BWD_SMEM = 6 * TILE_BYTES + 4 * BLOCK * 4 + BLOCK * DS_PITCH + 16 + 1024;  // dK/dV: K, V, Q[2],
+                                                        // dO[2], lse[2], delta[2], dS^T rows, 2 mbarriers
+constexpr int DQ_SMEM = DQ_STAGES * (DS_TILE_BYTES + TILE_BYTES + 8) + 1024;  // dQ: (dS^T, K, mbarrier)[DQ_STAGES]
 
-__global__ void __launch_bounds__(THREADS, 3) attn_fwd_kernel(const Params p) {
+__global__ void __launch_bounds__(THREADS, 3) attn_fwd_kernel(const Params p, const __grid_constant__ FwdMaps maps) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (tk::smem_u32(smem_raw) & 1023)) & 1023);
     const int total = p.tiles[0].x;
     if ((int)blockIdx.x >= total) return;
     const int4 t = p.tiles[1 + blockIdx.x];
-    attn_fwd_tile(p, smem, t.x, t.y, t.z);
+    attn_fwd_tile(p, maps, smem, t.x, t.y, t.z);
 }
 
 // dK/dV by key tile (heaviest first), writing dS^T; then, in a second launch, dQ by query tile
-__global__ void __launch_bounds__(THREADS) attn_bwd_dkdv_kernel(const Params p) {
+__global__ void __launch_bounds__(THREADS) attn_bwd_dkdv_kernel(const Params p, const __grid_constant__ BwdMaps maps) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (tk::smem_u32(smem_raw) & 1023)) & 1023);
     if ((int)blockIdx.x >= p.tiles[0].x) return;
     const int4 t = p.tiles[1 + max_tiles(p.positions, p.cu_len) + blockIdx.x];
-    attn_bwd_dkdv_tile(p, smem, t.y, t.z, t.w);
+    attn_bwd_dkdv_tile(p, maps, smem, t.y, t.z, t.w);
 }
-__global__ void __launch_bounds__(THREADS) attn_bwd_dq_kernel(const Params p) {
+__global__ void __launch_bounds__(THREADS) attn_bwd_dq_kernel(const Params p, const __grid_constant__ DqMaps maps) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (tk::smem_u32(smem_raw) & 1023)) & 1023);
     if ((int)blockIdx.x >= p.tiles[0].x) return;
     const int4 t = p.tiles[1 + blockIdx.x];
-    attn_bwd_dq_tile(p, smem, t.x, t.y, t.z, t.w);
+    attn_bwd_dq_tile(p, maps, smem, t.x, t.y, t.z, t.w);
 }
 
 }  // namespace attn
@@ -852,11 +933,35 @@ inline cudaError_t attention_schedule(const attn::Params& p, cudaStream_t stream
 }
 
 // Forward: out and lse from q, k, v; writes the tile schedule to p.tiles. Returns the launch error.
+// A TMA map of a (positions, heads x 128) operand whose positions lie `stride` elements apart (q, k,
+// dout); false where TMA cannot take it (a pointer or stride not 16-byte aligned)
+inline bool attention_rows_map(CUtensorMap* map, const attn::Params& p, const __nv_bfloat16* ptr, int64_t stride) {
+    const cuuint64_t dims[2] = {(cuuint64_t)p.heads * attn::D, (cuuint64_t)p.positions}, strides[1] = {(cuuint64_t)stride * 2};
+    const cuuint32_t box[2] = {64, attn::BLOCK};
+    return tk::make_tensor_map(map, ptr, 2, dims, strides, box) == CUDA_SUCCESS;
+}
+// The forward's TMA maps of q, k and v (attn::FwdMaps); an invalid layout (misaligned, v_shift not
+// 0 or 1) is cudaErrorInvalidValue
+inline cudaError_t attention_maps(const attn::Params& p, attn::FwdMaps& m) {
+    if (p.v_shift < 0 || p.v_shift > 1 || (p.v_shift && p.positions % 2)) return cudaErrorInvalidValue;
+    const cuuint64_t cols = (cuuint64_t)p.heads * attn::D, per_row = 1u << p.v_shift;
+    const cuuint64_t dims_v[3] = {cols, per_row, (cuuint64_t)p.positions >> p.v_shift};
+    const cuuint64_t stride_v[2] = {(cuuint64_t)(p.v_shift ? p.v_half : (int64_t)cols) * 2, (cuuint64_t)p.v_stride * 2};
+    const cuuint32_t box_v[3] = {64, (cuuint32_t)per_row, (cuuint32_t)(attn::BLOCK / per_row)};
+    if (!attention_rows_map(&m.q, p, p.q, p.q_stride) || !attention_rows_map(&m.k, p, p.k, p.k_stride) ||
+        tk::make_tensor_map(&m.v, p.v, 3, dims_v, stride_v, box_v) != CUDA_SUCCESS)
+        return cudaErrorInvalidValue;
+    return cudaSuccess;
+}
+
 inline cudaError_t attention_forward(const attn::Params& p, cudaStream_t stream) {
     static bool configured = false;
     if (cudaError_t e = tk::allow_smem(attn::attn_fwd_kernel, attn::FWD_SMEM, configured)) return e;
+    attn::FwdMaps maps;
+    if (cudaError_t e = attention_maps(p, maps)) return e;
     if (cudaError_t e = attention_schedule(p, stream)) return e;
-    attn::attn_fwd_kernel<<<dim3(attn::max_tiles(p.positions, p.cu_len), p.heads), attn::THREADS, attn::FWD_SMEM, stream>>>(p);
+    attn::attn_fwd_kernel<<<dim3(attn::max_tiles(p.positions, p.cu_len), p.heads), attn::THREADS, attn::FWD_SMEM, stream>>>(
+        p, maps);
     return cudaGetLastError();
 }
 
@@ -877,9 +982,20 @@ inline cudaError_t attention_backward(attn::Params p, cudaStream_t stream, bool 
     p.ds_slots = attn::ds_slots(p.positions, p.window);
     const int64_t warps = (int64_t)p.positions * p.heads;
     if (!delta_ready) attn::attn_bwd_delta_kernel<<<(unsigned)((warps + 7) / 8), 256, 0, stream>>>(p);
+    attn::BwdMaps maps;
+    if (cudaError_t e = attention_maps(p, maps.f)) return e;
+    if (!attention_rows_map(&maps.dout, p, p.dout, p.dout_stride)) return cudaErrorInvalidValue;
     const dim3 grid(attn::max_tiles(p.positions, p.cu_len), p.heads);
-    attn::attn_bwd_dkdv_kernel<<<grid, attn::THREADS, attn::BWD_SMEM, stream>>>(p);
-    attn::attn_bwd_dq_kernel<<<grid, attn::THREADS, attn::DQ_SMEM, stream>>>(p);
+    attn::attn_bwd_dkdv_kernel<<<grid, attn::THREADS, attn::BWD_SMEM, stream>>>(p, maps);
+    attn::DqMaps dq_maps;
+    dq_maps.k = maps.f.k;
+    {
+        const cuuint64_t dims[2] = {attn::BLOCK, attention_ds_bytes(p.positions, p.cu_len, p.heads, p.window) / (attn::BLOCK * 2)};
+        const cuuint64_t strides[1] = {attn::BLOCK * 2};
+        const cuuint32_t box[2] = {attn::BLOCK, attn::BLOCK};
+        if (tk::make_tensor_map(&dq_maps.ds, p.ds, 2, dims, strides, box) != CUDA_SUCCESS) return cudaErrorInvalidValue;
+    }
+    attn::attn_bwd_dq_kernel<<<grid, attn::THREADS, attn::DQ_SMEM, stream>>>(p, dq_maps);
     return cudaGetLastError();
 }
 
@@ -1308,26 +1424,7 @@ constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTE
 constexpr int STAGE_ROW = BN * 2 + 16, STAGING_BYTES = BM * STAGE_ROW;  // the epilogue's bf16 tile, rows padded
 constexpr int SMEM = STAGES * STAGE_BYTES + 2 * STAGING_BYTES + 1024 + 8 * (2 * STAGES + 2);  // + alignment, barriers
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
-    asm volatile(
-        "{\n.reg .pred p;\nWAIT_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-        ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
-}
+using tk::mbar_arrive, tk::mbar_expect_tx, tk::mbar_init, tk::mbar_wait, tk::tma_load_2d;
 
 // Persistent, one CTA an SM, in ping-pong (CUTLASS's warp-specialized ping-pong schedule): a producer
 // warp streams the A and B tiles of the CTA's output tiles, in order, through the STAGES buffers; the two
@@ -1468,18 +1565,9 @@ __global__ void __launch_bounds__(THREADS, 1)
 
 // a row-major rows x cols bf16 matrix (row stride ld elements) as TMA tiles of box_rows x 64
 inline CUresult make_map(CUtensorMap* map, const void* ptr, int rows, int cols, int64_t ld, int box_rows) {
-    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-    if (!encode) {
-        cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", (void**)&encode, 12000, cudaEnableDefault, &q) !=
-                cudaSuccess || q != cudaDriverEntryPointSuccess)
-            return CUDA_ERROR_NOT_FOUND;
-    }
     const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)ld * 2};
-    const cuuint32_t box[2] = {64, (cuuint32_t)box_rows}, estr[2] = {1, 1};
-    return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box, estr,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    const cuuint32_t box[2] = {64, (cuuint32_t)box_rows};
+    return tk::make_tensor_map(map, ptr, 2, dims, strides, box);
 }
 
 template <int EPI>
