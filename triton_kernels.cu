@@ -173,6 +173,13 @@ inline CUresult make_tensor_map(CUtensorMap* map, const void* ptr, int rank, con
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
+// a row-major rows x cols bf16 matrix (row stride ld elements) as TMA boxes of box_rows x 64
+inline CUresult make_matrix_map(CUtensorMap* map, const void* ptr, int64_t rows, int64_t cols, int64_t ld,
+                                int box_rows) {
+    const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)ld * 2};
+    const cuuint32_t box[2] = {64, (cuuint32_t)box_rows};
+    return make_tensor_map(map, ptr, 2, dims, strides, box);
+}
 
 // 2^x on the SFU (ex2.approx.ftz: 2 ulp, results below 2^-126 flushed to zero; exp2f adds range
 // fix-ups, instructions that the attention and cross-entropy passes do not need)
@@ -936,9 +943,7 @@ inline cudaError_t attention_schedule(const attn::Params& p, cudaStream_t stream
 // A TMA map of a (positions, heads x 128) operand whose positions lie `stride` elements apart (q, k,
 // dout); false where TMA cannot take it (a pointer or stride not 16-byte aligned)
 inline bool attention_rows_map(CUtensorMap* map, const attn::Params& p, const __nv_bfloat16* ptr, int64_t stride) {
-    const cuuint64_t dims[2] = {(cuuint64_t)p.heads * attn::D, (cuuint64_t)p.positions}, strides[1] = {(cuuint64_t)stride * 2};
-    const cuuint32_t box[2] = {64, attn::BLOCK};
-    return tk::make_tensor_map(map, ptr, 2, dims, strides, box) == CUDA_SUCCESS;
+    return tk::make_matrix_map(map, ptr, p.positions, (int64_t)p.heads * attn::D, stride, attn::BLOCK) == CUDA_SUCCESS;
 }
 // The forward's TMA maps of q, k and v (attn::FwdMaps); an invalid layout (misaligned, v_shift not
 // 0 or 1) is cudaErrorInvalidValue
@@ -989,12 +994,9 @@ inline cudaError_t attention_backward(attn::Params p, cudaStream_t stream, bool 
     attn::attn_bwd_dkdv_kernel<<<grid, attn::THREADS, attn::BWD_SMEM, stream>>>(p, maps);
     attn::DqMaps dq_maps;
     dq_maps.k = maps.f.k;
-    {
-        const cuuint64_t dims[2] = {attn::BLOCK, attention_ds_bytes(p.positions, p.cu_len, p.heads, p.window) / (attn::BLOCK * 2)};
-        const cuuint64_t strides[1] = {attn::BLOCK * 2};
-        const cuuint32_t box[2] = {attn::BLOCK, attn::BLOCK};
-        if (tk::make_tensor_map(&dq_maps.ds, p.ds, 2, dims, strides, box) != CUDA_SUCCESS) return cudaErrorInvalidValue;
-    }
+    const int64_t ds_rows = attention_ds_bytes(p.positions, p.cu_len, p.heads, p.window) / (attn::BLOCK * 2);
+    if (tk::make_matrix_map(&dq_maps.ds, p.ds, ds_rows, attn::BLOCK, attn::BLOCK, attn::BLOCK) != CUDA_SUCCESS)
+        return cudaErrorInvalidValue;
     attn::attn_bwd_dq_kernel<<<grid, attn::THREADS, attn::DQ_SMEM, stream>>>(p, dq_maps);
     return cudaGetLastError();
 }
@@ -1563,19 +1565,13 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 }
 
-// a row-major rows x cols bf16 matrix (row stride ld elements) as TMA tiles of box_rows x 64
-inline CUresult make_map(CUtensorMap* map, const void* ptr, int rows, int cols, int64_t ld, int box_rows) {
-    const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)ld * 2};
-    const cuuint32_t box[2] = {64, (cuuint32_t)box_rows};
-    return tk::make_tensor_map(map, ptr, 2, dims, strides, box);
-}
-
 template <int EPI>
 inline cudaError_t launch(const __nv_bfloat16* a, const __nv_bfloat16* w, int rows, int n, int k, __nv_bfloat16* c0,
                           __nv_bfloat16* c1, const __nv_bfloat16* pre, cudaStream_t stream) {
     if (n % BN || k % BK || rows <= 0) return rows == 0 ? cudaSuccess : cudaErrorInvalidValue;
     CUtensorMap ta, tb;
-    if (make_map(&ta, a, rows, k, k, BM) != CUDA_SUCCESS || make_map(&tb, w, n, k, k, BN) != CUDA_SUCCESS)
+    if (tk::make_matrix_map(&ta, a, rows, k, k, BM) != CUDA_SUCCESS ||
+        tk::make_matrix_map(&tb, w, n, k, k, BN) != CUDA_SUCCESS)
         return cudaErrorInvalidValue;
     static bool smem_set = false;
     cudaError_t e = tk::allow_smem(gemm_kernel<EPI>, SMEM, smem_set);
