@@ -2145,8 +2145,10 @@ class Model {
         float* gx0l = (float*)p_["x0_lambdas"].grad;
         float* x0_lambdas = (float*)p_["x0_lambdas"].data;
         profile_mark(Part::Elementwise, s);
-        for (__nv_bfloat16* b : {dx0_, dskip_}) CUDA_CHECK(cudaMemsetAsync(b, 0, TD * 2, s));
-        for (__nv_bfloat16* b : dve_) CUDA_CHECK(cudaMemsetAsync(b, 0, TD * 2, s));
+        // dx0 and each dve take their first term by writing it (the last layer's mix, the last layer
+        // of each value embedding), not added to a zeroed buffer
+        CUDA_CHECK(cudaMemsetAsync(dskip_, 0, TD * 2, s));
+        for (bool& w : dve_written_) w = false;
         // final norm, then the backout: x_back = x_last - lambda x_8in
         CUDA_CHECK(rms_norm_backward(x_back_, D, dxn_head_, D, rstd_f_, dx_, D, T, D, s));
         CUDA_CHECK(cudaMemsetAsync(dback_, 0, TD * 2, s));
@@ -2177,7 +2179,7 @@ class Model {
                 attention_backward_block(i, s);  // dxn_: the gradient of norm(x_mix)
                 rstd = l.rstd_a;
             }
-            CUDA_CHECK(norm_mix_backward(l.x_mix, dxn_, rstd, dx_, l.x_in, x0_, dx0_, T, {scalars + SCALAR_RESID + i, 1.f, 0.f},
+            CUDA_CHECK(norm_mix_backward(dxn_, rstd, dx_, l.x_in, x0_, dx0_, i == NUM_LAYERS - 1, T, {scalars + SCALAR_RESID + i, 1.f, 0.f},
                                          {x0_lambdas + i, 1.f, 0.f}, gscalars + SCALAR_RESID + i, gx0l + i, partial_, s));
             if (i == SKIP_OUT) {  // skip: x_in += c 2 sigmoid(z(x0)) skip_source; dx passes through
                 gate::Params sk = row_gate(T, x0_, bf(p_["skip_gate"].data), scalars + SCALAR_SKIP);
@@ -2187,6 +2189,8 @@ class Model {
             }
             if (grad_ready_) grad_ready_(ReducePoint::AfterLayer, i, s);  // layer i's bank slices are final
         }
+        for (int k = 0; k < NUM_VALUE_EMBEDS; ++k)  // (a table no layer reads has a zero gradient)
+            if (!dve_written_[k]) CUDA_CHECK(cudaMemsetAsync(dve_[k], 0, TD * 2, s));
         // layer 0's input is x0
         CUDA_CHECK(combine(dx0_, dx0_, dx_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
         // x0 = norm(smear(emb))
@@ -2357,9 +2361,11 @@ class Model {
         // value-embedding gate: v passes through; dve and the gate's input gradient
         const __nv_bfloat16* dv = value_grad();
         if (has_value_embed(i)) {
+            const int k = LAYERS[i].ve;
             gate::Params vg = head_gate(i, ve_gate_w(i));
-            vg.b = ve_[LAYERS[i].ve], vg.dout = dv, vg.ld_dout = VALUE_LD, vg.db = dve_[LAYERS[i].ve];
+            vg.b = ve_[k], vg.dout = dv, vg.ld_dout = VALUE_LD, vg.db = dve_[k], vg.db_first = !dve_written_[k];
             vg.dz = dz_;
+            dve_written_[k] = true;
             CUDA_CHECK(gate_backward(GateKind::ValueEmbedding, vg, dxn_, D, ve_gate_grad(i), nullptr, s));
         }
         // dqkv: q, k through the rope and the QK norm (attention wrote dv in place)
@@ -2459,6 +2465,7 @@ class Model {
     __nv_bfloat16 *dx_, *dx0_, *dskip_, *dback_, *dxn_, *dy_, *dyg_, *dq_, *dk_, *dqkv_, *dpost_, *dpre_,
         *dxn_head_, *demb_, *dve_[NUM_VALUE_EMBEDS];
     float *dw_, *delta_, *dz_, *dlam_rows_, *partial_, *gate_partial_;
+    bool dve_written_[NUM_VALUE_EMBEDS] = {};  // the backward so far wrote dve_[k]
     std::unique_ptr<EmbeddingBackward> embed_bwd_;
     std::function<void(ReducePoint, int, cudaStream_t)> grad_ready_;
 };

@@ -246,6 +246,7 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
     asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
     return v;
 }
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
@@ -2341,6 +2342,7 @@ struct Params {
     int64_t ld_dout;
     __nv_bfloat16* da;           // gradient of a (may alias dout where a passes through)
     __nv_bfloat16* db;           // gradient of b (ve, skip), accumulated
+    bool db_first;               // ve: db gets this gate's term alone (its first in the backward: no zeroing pass)
     int64_t ld_da, ld_db;
     float* dz;                   // tokens x heads
     float* dlam_rows;            // tokens: per-token lambda gradient terms
@@ -2353,7 +2355,7 @@ struct Params {
 };
 
 __device__ __forceinline__ float sigmoid(float z) { return 1.f / (1.f + __expf(-z)); }
-__device__ __forceinline__ float bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
+__device__ __forceinline__ float bf(float v) { return tk::round_bf16(v); }
 __device__ __forceinline__ float logit(const Params& p, int t, int h) {
     float s = 0.f;
 #pragma unroll
@@ -2422,9 +2424,14 @@ __global__ void head_bwd_kernel(const Params p) {
         tk::load8(p.b + t * p.ld_b + c, b);
         const float d = dot8(g, b);
         float acc[8];
-        tk::load8(p.db + t * p.ld_db + c, acc);
+        if (p.db_first) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] += 2.f * s * g[e];
+            for (int e = 0; e < 8; ++e) acc[e] = 2.f * s * g[e];  // (0 + the term: the same value)
+        } else {
+            tk::load8(p.db + t * p.ld_db + c, acc);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] += 2.f * s * g[e];
+        }
         tk::store8(p.db + t * p.ld_db + c, acc);
         if ((threadIdx.x & 15) == 0) p.dz[w] = d * 2.f * s * (1.f - s);
     } else {  // dy = dout s; dz = (dout . y) s (1 - s)
@@ -2628,9 +2635,15 @@ inline cudaError_t gate_forward(GateKind kind, const gate::Params& p, cudaStream
     return cudaGetLastError();
 }
 
-// Row gradients, then dx[:, :12] (the gate's input, ld_dx) += dz w, then dw and dlambda (smear,
-// skip) reduced over the tokens. p.dz and p.dlam_rows are workspaces of tokens x heads floats,
-// p.partial one of gate::WG_BLOCKS * gate::WG_OUT floats.
+// dx[:, :12] (the gate's input, ld_dx) += dz w, from p.dz as gate_backward left it
+inline cudaError_t gate_input_grad(const gate::Params& p, __nv_bfloat16* dx, int64_t ld_dx, cudaStream_t stream) {
+    gate::gate_input_grad_kernel<<<(unsigned)(((int64_t)p.tokens * gate::GW + 255) / 256), 256, 0, stream>>>(p, dx, ld_dx);
+    return cudaGetLastError();
+}
+// Row gradients, then dx[:, :12] (the gate's input, ld_dx) += dz w (dx null: the caller adds it
+// later with gate_input_grad, p.dz kept till then), then dw and dlambda (smear, skip) reduced over
+// the tokens. p.dz and p.dlam_rows are workspaces of tokens x heads floats, p.partial one of
+// gate::WG_BLOCKS * gate::WG_OUT floats.
 inline cudaError_t gate_backward(GateKind kind, const gate::Params& p, __nv_bfloat16* dx, int64_t ld_dx,
                                  __nv_bfloat16* dw, float* dlambda, cudaStream_t stream) {
     const bool per_head = kind == GateKind::ValueEmbedding || kind == GateKind::Output;
@@ -2643,7 +2656,8 @@ inline cudaError_t gate_backward(GateKind kind, const gate::Params& p, __nv_bflo
         case GateKind::Smear: gate::row_bwd_kernel<gate::SMEAR><<<blocks, 256, 0, stream>>>(p); break;
         case GateKind::Skip: gate::row_bwd_kernel<gate::SKIP><<<blocks, 256, 0, stream>>>(p); break;
     }
-    gate::gate_input_grad_kernel<<<(unsigned)(((int64_t)p.tokens * gate::GW + 255) / 256), 256, 0, stream>>>(p, dx, ld_dx);
+    if (dx)
+        if (cudaError_t e = gate_input_grad(p, dx, ld_dx, stream)) return e;
     if (p.heads > gate::MAX_HEADS) return cudaErrorInvalidValue;
     gate::gate_weight_partial_kernel<<<gate::WG_BLOCKS, 256, 0, stream>>>(p, !per_head);
     gate::gate_weight_finish_kernel<<<1, 128, 0, stream>>>(p, !per_head, dw, dlambda);
@@ -2670,6 +2684,10 @@ struct Coef {
     __device__ float value() const { return (ptr ? *ptr * scale : 0.f) + constant; }
 };
 
+// the mixing's value before its bf16 rounding: one rounding of b y, then a fused a x + (b y); the
+// forward's combine and combine_norm kernels and the backward's norm_mix_bwd_kernel all make it so
+__device__ __forceinline__ float mix(float a, float x, float b, float y) { return __fmaf_rn(a, x, __fmul_rn(b, y)); }
+
 __global__ void combine_kernel(__nv_bfloat16* out, const __nv_bfloat16* x, const __nv_bfloat16* y, int64_t n8, Coef ca,
                                Coef cb, int* flag, int tag) {
     const float a = ca.value(), b = cb.value();
@@ -2679,7 +2697,7 @@ __global__ void combine_kernel(__nv_bfloat16* out, const __nv_bfloat16* x, const
         tk::load8(x + i * 8, fx);
         tk::load8(y + i * 8, fy);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) bad |= !isfinite(fx[e]), fx[e] = a * fx[e] + b * fy[e];
+        for (int e = 0; e < 8; ++e) bad |= !isfinite(fx[e]), fx[e] = mix(a, fx[e], b, fy[e]);
         tk::store8(out + i * 8, fx);
     }
     if (flag && __syncthreads_or(bad) && threadIdx.x == 0) atomicCAS(flag, -1, tag);
@@ -2705,10 +2723,10 @@ __global__ void combine_norm_kernel(__nv_bfloat16* out, const __nv_bfloat16* x, 
             tk::load8(x + at, f[v]);
             tk::load8(y + at, fy);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) bad |= !isfinite(f[v][e]), f[v][e] = a * f[v][e] + b * fy[e];
+            for (int e = 0; e < 8; ++e) bad |= !isfinite(f[v][e]), f[v][e] = mix(a, f[v][e], b, fy[e]);
             tk::store8(out + at, f[v]);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) f[v][e] = __bfloat162float(__float2bfloat16(f[v][e]));  // as stored
+            for (int e = 0; e < 8; ++e) f[v][e] = tk::round_bf16(f[v][e]);  // as stored
 #pragma unroll
             for (int e = 0; e < 8; ++e) ss += f[v][e] * f[v][e];
         }
@@ -2746,32 +2764,46 @@ __global__ void combine_bwd_kernel(const __nv_bfloat16* dout, const __nv_bfloat1
 
 // The end of a block's backward in one pass (768-wide rows): the norm's gradient joins the residual
 // gradient, dm = dx + rms_norm_backward(xm, dxn), which then goes through the mix xm = ca x + cb y:
-// dx = ca dm, dy += cb dm, partial[0][block] = sum dm x, partial[1][block] = sum dm y. A warp per
-// row, rows strided over DOT_BLOCKS CTAs (a fixed order: deterministic).
-__global__ void norm_mix_bwd_kernel(const __nv_bfloat16* xm, const __nv_bfloat16* dxn, const float* rstd,
-                                    __nv_bfloat16* dx, const __nv_bfloat16* x, const __nv_bfloat16* y, __nv_bfloat16* dy,
-                                    int rows, Coef ca, Coef cb, float* partial) {
+// dx = ca dm, dy += cb dm (dy_first: dy = cb dm, its first term: no zeroing pass), partial[0][block]
+// = sum dm x, partial[1][block] = sum dm y. xm is made again from x and y, as combine_norm_kernel
+// made and stored it (the same bits), instead of read. A warp per row, rows strided over DOT_BLOCKS
+// CTAs (a fixed order: deterministic).
+template <bool DY_FIRST>
+__global__ void norm_mix_bwd_kernel(const __nv_bfloat16* dxn, const float* rstd, __nv_bfloat16* dx, const __nv_bfloat16* x,
+                                    const __nv_bfloat16* y, __nv_bfloat16* dy, int rows, Coef ca, Coef cb, float* partial) {
     constexpr int DIM = 768, V = DIM / 256;
     const float a = ca.value(), b = cb.value();
     const int lane = threadIdx.x & 31, warps = gridDim.x * (blockDim.x / 32);
     float sx = 0.f, sy = 0.f;
     for (int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < rows; row += warps) {
-        float fx[V][8], fg[V][8];
-        const float dot = rmsnorm::load_row_dot<DIM>(xm + (int64_t)row * DIM, dxn + (int64_t)row * DIM, fx, fg);
+        float fxi[V][8], fyi[V][8], fx[V][8], fg[V][8];
+        float dot = 0.f;  // rmsnorm::load_row_dot's sum, in its order
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            const int64_t o = (int64_t)row * DIM + (v * 32 + lane) * 8;
+            tk::load8(x + o, fxi[v]);
+            tk::load8(y + o, fyi[v]);
+            tk::load8(dxn + o, fg[v]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) fx[v][e] = tk::round_bf16(mix(a, fxi[v][e], b, fyi[v][e]));
+#pragma unroll
+            for (int e = 0; e < 8; ++e) dot += fx[v][e] * fg[v][e];
+        }
+        dot = tk::warp_sum(dot);
         const float r = rstd[row], c = r * r * dot / DIM;
 #pragma unroll
         for (int v = 0; v < V; ++v) {
             const int64_t o = (int64_t)row * DIM + (v * 32 + lane) * 8;
-            float acc[8], fxi[8], fyi[8], ay[8];
+            float acc[8], ay[8];
             tk::load8(dx + o, acc);
-            tk::load8(x + o, fxi);
-            tk::load8(y + o, fyi);
-            tk::load8(dy + o, ay);
+            if (!DY_FIRST) tk::load8(dy + o, ay);
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 const float dm = acc[e] + r * (fg[v][e] - fx[v][e] * c);
-                sx += dm * fxi[e], sy += dm * fyi[e];
-                acc[e] = a * dm, ay[e] += b * dm;
+                sx += dm * fxi[v][e], sy += dm * fyi[v][e];
+                acc[e] = a * dm;
+                if (DY_FIRST) ay[e] = b * dm;  // (0 + the term: the same value)
+                else ay[e] += b * dm;
             }
             tk::store8(dx + o, acc);
             tk::store8(dy + o, ay);
@@ -2857,13 +2889,17 @@ inline cudaError_t combine_backward(const __nv_bfloat16* dout, const __nv_bfloat
     return cudaGetLastError();
 }
 // rms_norm_backward(xm, dxn, rstd -> dx, accumulate) then combine_backward(dx, x, y -> dx, dy, ca, cb,
-// ga, gb) in one pass: rows x 768, contiguous (row stride 768). The mix's dx is written in place.
-inline cudaError_t norm_mix_backward(const __nv_bfloat16* xm, const __nv_bfloat16* dxn, const float* rstd,
-                                     __nv_bfloat16* dx, const __nv_bfloat16* x, const __nv_bfloat16* y, __nv_bfloat16* dy,
-                                     int rows, scal::Coef ca, scal::Coef cb, float* ga, float* gb, float* partial,
-                                     cudaStream_t stream) {
+// ga, gb) in one pass, for xm = combine_norm's out of (x, y, ca, cb) (remade, not read): rows x 768,
+// contiguous (row stride 768). The mix's dx is written in place; dy_first: dy = cb dm (dy's first
+// term), else dy += cb dm.
+inline cudaError_t norm_mix_backward(const __nv_bfloat16* dxn, const float* rstd, __nv_bfloat16* dx, const __nv_bfloat16* x,
+                                     const __nv_bfloat16* y, __nv_bfloat16* dy, bool dy_first, int rows, scal::Coef ca,
+                                     scal::Coef cb, float* ga, float* gb, float* partial, cudaStream_t stream) {
     if (rows <= 0) return cudaSuccess;
-    scal::norm_mix_bwd_kernel<<<scal::DOT_BLOCKS, 256, 0, stream>>>(xm, dxn, rstd, dx, x, y, dy, rows, ca, cb, partial);
+    if (dy_first)
+        scal::norm_mix_bwd_kernel<true><<<scal::DOT_BLOCKS, 256, 0, stream>>>(dxn, rstd, dx, x, y, dy, rows, ca, cb, partial);
+    else
+        scal::norm_mix_bwd_kernel<false><<<scal::DOT_BLOCKS, 256, 0, stream>>>(dxn, rstd, dx, x, y, dy, rows, ca, cb, partial);
     scal::finish_kernel<<<1, 64, 0, stream>>>(partial, ga, ca.scale, gb, cb.scale);
     return cudaGetLastError();
 }

@@ -996,7 +996,9 @@ static void embedding_case(int tokens, int vocab_used, uint64_t seed) {
 }
 
 // the four gates, forward and backward, against fp64 (z rounded to bf16 as the kernels do)
-static void gate_case(GateKind kind, int T, uint64_t seed) {
+// db_first (value embedding): db is written, not added to; deferred: the input gradient by
+// gate_input_grad after gate_backward without it, as the trainer's attention backward does
+static void gate_case(GateKind kind, int T, uint64_t seed, bool db_first = false, bool deferred = false) {
     std::mt19937_64 rng(seed);
     const bool per_head = kind == GateKind::ValueEmbedding || kind == GateKind::Output;
     const int H = per_head ? 6 : 1, D = 768;
@@ -1036,7 +1038,9 @@ static void gate_case(GateKind kind, int T, uint64_t seed) {
             for (int c = c0; c < c1; ++c) {
                 const double g = F(dout, t, c);
                 switch (kind) {
-                    case GateKind::ValueEmbedding: d += g * F(b, t, c), db[(size_t)t * D + c] = F(db0, t, c) + 2 * s * g; break;
+                    case GateKind::ValueEmbedding:
+                        d += g * F(b, t, c), db[(size_t)t * D + c] = (db_first ? 0.0 : F(db0, t, c)) + 2 * s * g;
+                        break;
                     case GateKind::Output: d += g * F(a, t, c), dd += g * s * F(a, t, c), da[(size_t)t * D + c] = g * s; break;
                     case GateKind::Smear:
                         if (t) d += g * F(a, t - 1, c);
@@ -1077,8 +1081,10 @@ static void gate_case(GateKind kind, int T, uint64_t seed) {
         dx0g(dx0), dwgr(dw0);
     DeviceArray<float> lamg(std::vector<float>{lam}), dzg((size_t)T * H), dlr(T), dlam(std::vector<float>{0.f});
     outg.poison(), dag2.poison();
+    if (db_first) dbg2.poison();
     auto bf = [](uint16_t* p) { return reinterpret_cast<__nv_bfloat16*>(p); };
     gate::Params p{};
+    p.db_first = db_first;
     p.tokens = T, p.heads = H, p.x = bf(dxg.ptr), p.ld_x = D, p.w = bf(dwg.ptr), p.lambda = lamg.ptr;
     p.a = bf(dag.ptr), p.ld_a = D, p.b = bf(dbg.ptr), p.ld_b = D, p.out = bf(outg.ptr), p.ld_out = D;
     p.dout = bf(doutg.ptr), p.ld_dout = D, p.da = bf(dag2.ptr), p.db = bf(dbg2.ptr), p.ld_da = D, p.ld_db = D;
@@ -1088,7 +1094,9 @@ static void gate_case(GateKind kind, int T, uint64_t seed) {
     deltag.poison();
     if (kind == GateKind::Output) p.delta = deltag.ptr, p.delta_split = 2;
     if (kind == GateKind::Smear) p.x = p.a;
-    CUDA_CHECK(gate_backward(kind, p, kind == GateKind::Smear ? p.da : bf(dx0g.ptr), D, bf(dwgr.ptr), dlam.ptr, 0));
+    __nv_bfloat16* dx_in = kind == GateKind::Smear ? p.da : bf(dx0g.ptr);
+    CUDA_CHECK(gate_backward(kind, p, deferred ? nullptr : dx_in, D, bf(dwgr.ptr), dlam.ptr, 0));
+    if (deferred) CUDA_CHECK(gate_input_grad(p, dx_in, D, 0));
     CUDA_CHECK(gate_forward(kind, p, 0));  // after the backward: v and x are updated in place
     CUDA_CHECK(cudaDeviceSynchronize());
     auto widen = [&](const std::vector<uint16_t>& v, int cols, int take) {
@@ -1120,19 +1128,25 @@ static void gate_case(GateKind kind, int T, uint64_t seed) {
         e_d = rel_err_d(std::vector<double>(got.begin(), got.end()), delta_ref);
     }
     const char* names[] = {"value-embedding gate", "output gate", "smear", "skip"};
-    printf("  %-22s T %5d  rel err: out %.1e da %.1e db %.1e dx[:12] %.1e dw %.1e dlambda %.1e delta %.1e\n",
-           names[(int)kind], T, e_f, e_a, e_b, e_x, e_w, e_l, e_d);
+    printf("  %-22s T %5d%s%s  rel err: out %.1e da %.1e db %.1e dx[:12] %.1e dw %.1e dlambda %.1e delta %.1e\n",
+           names[(int)kind], T, db_first ? " (db first)" : "", deferred ? " (input grad deferred)" : "", e_f, e_a, e_b, e_x,
+           e_w, e_l, e_d);
     CHECK(e_f < 1e-2 && e_a < 1e-2 && e_b < 1e-2 && e_x < 1e-2 && e_w < 1e-2 && e_l < 1e-3 && e_d < 1e-2,
           "%s differs from the fp64 reference", names[(int)kind]);
 }
 
-// a block's first norm and the mixing in one backward pass (norm_mix_backward)
-static void norm_mix_case(int rows, uint64_t seed) {
+// a block's first norm and the mixing in one backward pass (norm_mix_backward), which remakes the
+// mix xm = bf16(ca x + cb y) as combine_norm stored it; dy_first: dy = cb dm instead of dy += cb dm
+static void norm_mix_case(int rows, bool dy_first, uint64_t seed) {
     const int D = 768;
     const size_t n = (size_t)rows * D;
+    const float ca = 1.1f, cb = 0.25f;
     std::mt19937_64 rng(seed);
-    std::vector<uint16_t> xm = random_bf16(rng, n, 2.f), dxn = random_bf16(rng, n, 1.f), dx = random_bf16(rng, n, 1.f);
-    std::vector<uint16_t> x = random_bf16(rng, n, 1.f), y = random_bf16(rng, n, 1.f), dy = random_bf16(rng, n, 0.5f);
+    std::vector<uint16_t> dxn = random_bf16(rng, n, 1.f), dx = random_bf16(rng, n, 1.f);
+    std::vector<uint16_t> x = random_bf16(rng, n, 1.f), y = random_bf16(rng, n, 2.f), dy = random_bf16(rng, n, 0.5f);
+    std::vector<uint16_t> xm(n);
+    for (size_t i = 0; i < n; ++i)  // the kernels' mix: fma(ca, x, bf16-free cb * y), rounded once to bf16
+        xm[i] = float_to_bf16(std::fma(ca, bf16_to_float(x[i]), cb * bf16_to_float(y[i])));
     std::vector<float> rstd(rows);
     std::vector<double> dx_ref(n), dy_ref(n);
     double sx = 0, sy = 0, mx = 0, my = 0;  // the sums and their terms' root sum of squares
@@ -1148,15 +1162,28 @@ static void norm_mix_case(int rows, uint64_t seed) {
             const size_t i = (size_t)r * D + c;
             const double dm = bf16_to_float(dx[i]) +
                               rs * (bf16_to_float(dxn[i]) - bf16_to_float(xm[i]) * rs * rs * dot / D);
-            dx_ref[i] = 1.1 * dm, dy_ref[i] = bf16_to_float(dy[i]) + 0.25 * dm;
+            dx_ref[i] = (double)ca * dm, dy_ref[i] = (dy_first ? 0.0 : bf16_to_float(dy[i])) + (double)cb * dm;
             const double tx = dm * bf16_to_float(x[i]), ty = dm * bf16_to_float(y[i]);
             sx += tx, sy += ty, mx += tx * tx, my += ty * ty;
         }
     }
-    DeviceArray<uint16_t> dxm(xm), ddxn(dxn), ddx(dx), dxx(x), dyy(y), ddy(dy);
-    DeviceArray<float> drstd(rstd), sc(std::vector<float>{1.1f, 0.25f, 0.02f, -0.3f}), partial(2 * scal::DOT_BLOCKS);
+    {  // the forward's combine_norm stores the same xm bits
+        DeviceArray<uint16_t> dxx(x), dyy(y), out(n), xn(n);
+        DeviceArray<float> co(std::vector<float>{ca, cb}), rs(rows);
+        out.poison();
+        auto bfp = [](uint16_t* p) { return reinterpret_cast<__nv_bfloat16*>(p); };
+        CUDA_CHECK(combine_norm(bfp(out.ptr), bfp(dxx.ptr), bfp(dyy.ptr), rows, D, {co.ptr, 1.f, 0.f}, {co.ptr + 1, 1.f, 0.f},
+                                bfp(xn.ptr), rs.ptr, 1.1920929e-07f, 0));
+        CUDA_CHECK(cudaDeviceSynchronize());
+        CHECK(out.download() == xm, "norm + mix backward rows %d: combine_norm's stored mix differs from the remade one", rows);
+    }
+    std::vector<uint16_t> dy_in = dy;
+    if (dy_first)
+        for (auto& v : dy_in) v = 0x7fc0;  // poisoned: dy_first must not read it
+    DeviceArray<uint16_t> ddxn(dxn), ddx(dx), dxx(x), dyy(y), ddy(dy_in);
+    DeviceArray<float> drstd(rstd), sc(std::vector<float>{ca, cb, 0.02f, -0.3f}), partial(2 * scal::DOT_BLOCKS);
     auto bf = [](uint16_t* p) { return reinterpret_cast<__nv_bfloat16*>(p); };
-    CUDA_CHECK(norm_mix_backward(bf(dxm.ptr), bf(ddxn.ptr), drstd.ptr, bf(ddx.ptr), bf(dxx.ptr), bf(dyy.ptr), bf(ddy.ptr),
+    CUDA_CHECK(norm_mix_backward(bf(ddxn.ptr), drstd.ptr, bf(ddx.ptr), bf(dxx.ptr), bf(dyy.ptr), bf(ddy.ptr), dy_first,
                                  rows, {sc.ptr + 0, 1.f, 0.f}, {sc.ptr + 1, 1.f, 0.f}, sc.ptr + 2, sc.ptr + 3, partial.ptr, 0));
     CUDA_CHECK(cudaDeviceSynchronize());
     auto widen = [](const std::vector<uint16_t>& v) {
@@ -1167,8 +1194,8 @@ static void norm_mix_case(int rows, uint64_t seed) {
     const std::vector<float> g = sc.download();
     const double e_x = rel_err_d(widen(ddx.download()), dx_ref), e_y = rel_err_d(widen(ddy.download()), dy_ref);
     const double e_ga = std::fabs(g[2] - (0.02 + sx)) / std::sqrt(mx), e_gb = std::fabs(g[3] - (-0.3 + sy)) / std::sqrt(my);
-    printf("  norm + mix backward rows %5d  rel err: dx %.1e dy %.1e; scalar grads %.1e %.1e (of their terms' rms)\n",
-           rows, e_x, e_y, e_ga, e_gb);
+    printf("  norm + mix backward rows %5d%s  rel err: dx %.1e dy %.1e; scalar grads %.1e %.1e (of their terms' rms)\n",
+           rows, dy_first ? " (dy first)" : "", e_x, e_y, e_ga, e_gb);
     CHECK(e_x < 1e-2 && e_y < 1e-2 && e_ga < 1e-3 && e_gb < 1e-3,
           "norm + mix backward rows %d differs from the fp64 reference (dx %.2e dy %.2e ga %.2e gb %.2e)", rows, e_x, e_y,
           e_ga, e_gb);
@@ -1624,12 +1651,15 @@ static void test_model_kernels() {
     embedding_case(1001, 700, 37);
     embedding_case(49152, 50304, 38);
     for (GateKind k : {GateKind::ValueEmbedding, GateKind::Output, GateKind::Smear, GateKind::Skip}) gate_case(k, 333, 40 + (int)k);
+    gate_case(GateKind::ValueEmbedding, 205, 46, true, true);
+    gate_case(GateKind::Output, 205, 47, false, true);
     scalar_ops_case(768 * 1001, 50);
     scalar_ops_case(2304 * 768, 51);
     combine_norm_case(1001, 54);
     combine_norm_case(3, 55);
-    norm_mix_case(1001, 52);
-    norm_mix_case(3, 53);
+    norm_mix_case(1001, false, 52);
+    norm_mix_case(3, false, 53);
+    norm_mix_case(517, true, 54);
     relu2_case(8 * 1000 + 8 * 37, 20);
     linear_relu_square_case(300, 384, 192, 21);  // rows off the 128-row tile
     linear_relu_square_case(256, 3072, 768, 22);  // the model's widths
