@@ -1974,7 +1974,7 @@ __global__ void sumsq_kernel(const float* g, int64_t n, float* partial) {
     const float* m = g + blockIdx.y * n;
     float s = 0.f;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        float v = __bfloat162float(__float2bfloat16(m[i]));
+        float v = tk::round_bf16(m[i]);
         s += v * v;
     }
     __shared__ float red[32];
@@ -1988,7 +1988,7 @@ __global__ void normalize_kernel(const float* g, int64_t n, const float* partial
     const float* m = g + blockIdx.y * n;
     __nv_bfloat16* o = x + blockIdx.y * n;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        o[i] = __float2bfloat16(__bfloat162float(__float2bfloat16(m[i])) * inv);
+        o[i] = __float2bfloat16(tk::round_bf16(m[i]) * inv);
 }
 
 // torch.lerp's formula: exact at both ends
