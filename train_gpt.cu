@@ -2016,8 +2016,8 @@ class Model {
         rstd0_ = alloc<float>(TE), rstd_f_ = alloc<float>(TE);
         for (auto& v : ve_) v = bf(TE * D);
         // v stays in place in the QKV projection (attention reads the paired layout's half rows there)
-        auto make_layer = [&](Layer& l, int64_t n, bool attention) {
-            l.x_in = bf(n * D), l.x_mix = bf(n * D), l.xn_m = bf(n * D);
+        auto make_layer = [&](Layer& l, int64_t n, bool attention, __nv_bfloat16* x_in = nullptr) {
+            l.x_in = x_in ? x_in : bf(n * D), l.x_mix = bf(n * D), l.xn_m = bf(n * D);
             l.x_attn = attention ? bf(n * D) : l.x_mix;  // no attention: x_attn is x_mix
             l.pre = bf(n * 4 * D), l.post = bf(n * 4 * D);
             l.rstd_a = alloc<float>(n), l.rstd_m = alloc<float>(n);
@@ -2025,7 +2025,8 @@ class Model {
             l.xn_a = bf(n * D), l.qkv = bf(n * 3 * D), l.q = bf(n * D), l.k = bf(n * D);
             l.y = bf(n * D), l.yg = bf(n * D), l.lse = alloc<float>(NUM_HEADS * n);
         };
-        for (int i = 0; i < NUM_LAYERS; ++i) make_layer(layers_[i], T, has_attention(i));
+        // in training layer 0's input is x0 itself (nothing writes a layer's input after the forward made it)
+        for (int i = 0; i < NUM_LAYERS; ++i) make_layer(layers_[i], T, has_attention(i), i == 0 ? x0_ : nullptr);
         if (max_eval_tokens > 0) {
             for (Layer& l : eval_) make_layer(l, max_eval_tokens, true);
             eval_skip_ = bf((int64_t)max_eval_tokens * D), eval_back_ = bf((int64_t)max_eval_tokens * D);
@@ -2145,14 +2146,12 @@ class Model {
         float* gx0l = (float*)p_["x0_lambdas"].grad;
         float* x0_lambdas = (float*)p_["x0_lambdas"].data;
         profile_mark(Part::Elementwise, s);
-        // dx0 and each dve take their first term by writing it (the last layer's mix, the last layer
-        // of each value embedding), not added to a zeroed buffer
-        CUDA_CHECK(cudaMemsetAsync(dskip_, 0, TD * 2, s));
+        // dx0, dskip, dback and each dve take their first term by writing it (the last layer's mix, the
+        // skip gate, the backout, the last layer of each value embedding), not added to a zeroed buffer
         for (bool& w : dve_written_) w = false;
         // final norm, then the backout: x_back = x_last - lambda x_8in
         CUDA_CHECK(rms_norm_backward(x_back_, D, dxn_head_, D, rstd_f_, dx_, D, T, D, s));
-        CUDA_CHECK(cudaMemsetAsync(dback_, 0, TD * 2, s));
-        CUDA_CHECK(combine_backward(dx_, x_last_, backout_source(), dx_, false, dback_, TD, {nullptr, 0.f, 1.f},
+        CUDA_CHECK(combine_backward(dx_, x_last_, backout_source(), dx_, false, dback_, false, TD, {nullptr, 0.f, 1.f},
                                     {scalars + SCALAR_BACKOUT, -1.f, 0.f}, nullptr, gscalars + SCALAR_BACKOUT, partial_, s));
         for (int i = NUM_LAYERS - 1; i >= 0; --i) {
             Layer& l = layers_[i];
@@ -2183,7 +2182,7 @@ class Model {
                                          {x0_lambdas + i, 1.f, 0.f}, gscalars + SCALAR_RESID + i, gx0l + i, partial_, s));
             if (i == SKIP_OUT) {  // skip: x_in += c 2 sigmoid(z(x0)) skip_source; dx passes through
                 gate::Params sk = row_gate(T, x0_, bf(p_["skip_gate"].data), scalars + SCALAR_SKIP);
-                sk.b = skip_source(), sk.dout = dx_, sk.ld_dout = D, sk.db = dskip_, sk.ld_db = D;
+                sk.b = skip_source(), sk.dout = dx_, sk.ld_dout = D, sk.db = dskip_, sk.ld_db = D, sk.db_first = true;
                 sk.dz = dz_, sk.dlam_rows = dlam_rows_;
                 CUDA_CHECK(gate_backward(GateKind::Skip, sk, dx0_, D, bf(p_["skip_gate"].grad), gscalars + SCALAR_SKIP, s));
             }

@@ -2342,7 +2342,7 @@ struct Params {
     int64_t ld_dout;
     __nv_bfloat16* da;           // gradient of a (may alias dout where a passes through)
     __nv_bfloat16* db;           // gradient of b (ve, skip), accumulated
-    bool db_first;               // ve: db gets this gate's term alone (its first in the backward: no zeroing pass)
+    bool db_first;               // ve, skip: db gets this gate's term alone (its first in the backward: no zeroing pass)
     int64_t ld_da, ld_db;
     float* dz;                   // tokens x heads
     float* dlam_rows;            // tokens: per-token lambda gradient terms
@@ -2520,9 +2520,14 @@ __global__ void row_bwd_kernel(const Params p) {
             float sk[8], acc[8];
             tk::load8(p.dout + t * p.ld_dout + (v * 32 + lane) * 8, g[v]);
             tk::load8(p.b + t * p.ld_b + (v * 32 + lane) * 8, sk);
-            tk::load8(p.db + t * p.ld_db + (v * 32 + lane) * 8, acc);
+            if (p.db_first) {
 #pragma unroll
-            for (int e = 0; e < 8; ++e) dsum += g[v][e] * sk[e], acc[e] += c * 2.f * s * g[v][e];
+                for (int e = 0; e < 8; ++e) dsum += g[v][e] * sk[e], acc[e] = c * 2.f * s * g[v][e];  // (0 + the term)
+            } else {
+                tk::load8(p.db + t * p.ld_db + (v * 32 + lane) * 8, acc);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) dsum += g[v][e] * sk[e], acc[e] += c * 2.f * s * g[v][e];
+            }
             tk::store8(p.db + t * p.ld_db + (v * 32 + lane) * 8, acc);
         }
         dsum = tk::warp_sum(dsum);
@@ -2735,10 +2740,10 @@ __global__ void combine_norm_kernel(__nv_bfloat16* out, const __nv_bfloat16* x, 
     if (flag && __syncthreads_or(bad) && threadIdx.x == 0) atomicCAS(flag, -1, tag);
 }
 
-// dx (+)= ca dout, dy += cb dout; partial[0][block] = sum dout x, partial[1][block] = sum dout y
+// dx (+)= ca dout, dy (+)= cb dout; partial[0][block] = sum dout x, partial[1][block] = sum dout y
 __global__ void combine_bwd_kernel(const __nv_bfloat16* dout, const __nv_bfloat16* x, const __nv_bfloat16* y,
-                                   __nv_bfloat16* dx, bool dx_accumulate, __nv_bfloat16* dy, int64_t n8, Coef ca, Coef cb,
-                                   float* partial) {
+                                   __nv_bfloat16* dx, bool dx_accumulate, __nv_bfloat16* dy, bool dy_accumulate, int64_t n8,
+                                   Coef ca, Coef cb, float* partial) {
     const float a = ca.value(), b = cb.value();
     float sx = 0.f, sy = 0.f;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8; i += (int64_t)gridDim.x * blockDim.x) {
@@ -2747,12 +2752,12 @@ __global__ void combine_bwd_kernel(const __nv_bfloat16* dout, const __nv_bfloat1
         tk::load8(x + i * 8, fx);
         tk::load8(y + i * 8, fy);
         if (dx_accumulate) tk::load8(dx + i * 8, ax);
-        tk::load8(dy + i * 8, ay);
+        if (dy_accumulate) tk::load8(dy + i * 8, ay);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             sx += g[e] * fx[e], sy += g[e] * fy[e];
             ax[e] = (dx_accumulate ? ax[e] : 0.f) + a * g[e];
-            ay[e] += b * g[e];
+            ay[e] = (dy_accumulate ? ay[e] : 0.f) + b * g[e];
         }
         tk::store8(dx + i * 8, ax);
         tk::store8(dy + i * 8, ay);
@@ -2877,14 +2882,15 @@ inline cudaError_t combine_norm(__nv_bfloat16* out, const __nv_bfloat16* x, cons
                                                                                   flag, tag);
     return cudaGetLastError();
 }
-// dx = ca dout (or += with dx_accumulate), dy += cb dout, and the coefficients' scalar gradients:
-// *ga += ca.scale * sum(dout x), *gb += cb.scale * sum(dout y) (null: not needed). partial: 2 x
-// DOT_BLOCKS floats of workspace.
+// dx = ca dout (or += with dx_accumulate), dy = cb dout (or += with dy_accumulate), and the
+// coefficients' scalar gradients: *ga += ca.scale * sum(dout x), *gb += cb.scale * sum(dout y) (null:
+// not needed). partial: 2 x DOT_BLOCKS floats of workspace.
 inline cudaError_t combine_backward(const __nv_bfloat16* dout, const __nv_bfloat16* x, const __nv_bfloat16* y,
-                                    __nv_bfloat16* dx, bool dx_accumulate, __nv_bfloat16* dy, int64_t n, scal::Coef ca,
-                                    scal::Coef cb, float* ga, float* gb, float* partial, cudaStream_t stream) {
+                                    __nv_bfloat16* dx, bool dx_accumulate, __nv_bfloat16* dy, bool dy_accumulate, int64_t n,
+                                    scal::Coef ca, scal::Coef cb, float* ga, float* gb, float* partial, cudaStream_t stream) {
     if (n % 8) return cudaErrorInvalidValue;
-    scal::combine_bwd_kernel<<<scal::DOT_BLOCKS, 256, 0, stream>>>(dout, x, y, dx, dx_accumulate, dy, n / 8, ca, cb, partial);
+    scal::combine_bwd_kernel<<<scal::DOT_BLOCKS, 256, 0, stream>>>(dout, x, y, dx, dx_accumulate, dy, dy_accumulate, n / 8, ca,
+                                                                   cb, partial);
     scal::finish_kernel<<<1, 64, 0, stream>>>(partial, ga, ca.scale, gb, cb.scale);
     return cudaGetLastError();
 }

@@ -996,7 +996,7 @@ static void embedding_case(int tokens, int vocab_used, uint64_t seed) {
 }
 
 // the four gates, forward and backward, against fp64 (z rounded to bf16 as the kernels do)
-// db_first (value embedding): db is written, not added to; deferred: the input gradient by
+// db_first (value embedding, skip): db is written, not added to; deferred: the input gradient by
 // gate_input_grad after gate_backward without it, as the trainer's attention backward does
 static void gate_case(GateKind kind, int T, uint64_t seed, bool db_first = false, bool deferred = false) {
     std::mt19937_64 rng(seed);
@@ -1046,7 +1046,9 @@ static void gate_case(GateKind kind, int T, uint64_t seed, bool db_first = false
                         if (t) d += g * F(a, t - 1, c);
                         da[(size_t)t * D + c] = g + (t + 1 < T ? lam * sig(zf(t + 1, 0)) * F(dout, t + 1, c) : 0);
                         break;
-                    case GateKind::Skip: d += g * F(b, t, c), db[(size_t)t * D + c] = F(db0, t, c) + sig(lam) * 2 * s * g; break;
+                    case GateKind::Skip:
+                        d += g * F(b, t, c), db[(size_t)t * D + c] = (db_first ? 0.0 : F(db0, t, c)) + sig(lam) * 2 * s * g;
+                        break;
                 }
             }
             switch (kind) {
@@ -1264,8 +1266,8 @@ static void scalar_ops_case(int64_t n, uint64_t seed) {
     // mixing: out = 1.1 x + 0.25 y; backward with dx accumulated
     scal::Coef ca{sc.ptr + 0, 1.f, 0.f}, cb{sc.ptr + 1, 1.f, 0.f};
     CUDA_CHECK(combine(bf(out.ptr), bf(dx.ptr), bf(dy.ptr), n, ca, cb, 0));
-    CUDA_CHECK(combine_backward(bf(ddout.ptr), bf(dx.ptr), bf(dy.ptr), bf(gdx.ptr), true, bf(gdy.ptr), n, ca, cb, sc.ptr + 3,
-                                sc.ptr + 4, partial.ptr, 0));
+    CUDA_CHECK(combine_backward(bf(ddout.ptr), bf(dx.ptr), bf(dy.ptr), bf(gdx.ptr), true, bf(gdy.ptr), true, n, ca, cb,
+                                sc.ptr + 3, sc.ptr + 4, partial.ptr, 0));
     CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<double> o_ref(n), dx_ref(n), dy_ref(n), o, gx, gy;
     double sx = 0, sy = 0;
@@ -1281,17 +1283,23 @@ static void scalar_ops_case(int64_t n, uint64_t seed) {
     std::vector<float> s = sc.download();
     double e_o = rel_err_d(o, o_ref), e_x = rel_err_d(gx, dx_ref), e_y = rel_err_d(gy, dy_ref);
     double e_la = std::fabs(s[3] - (0.02 + sx)) / std::fabs(0.02 + sx), e_lb = std::fabs(s[4] - (-0.3 + sy)) / std::fabs(-0.3 + sy);
-    // backout: out = x - 0.5 y, the lambda's gradient is -sum(dout y)
+    // backout: out = x - 0.5 y, the lambda's gradient is -sum(dout y); dx and dy written, not added
+    // to (as the trainer's backout: poisoned first)
     scal::Coef one{nullptr, 0.f, 1.f}, minus{sc.ptr + 2, -1.f, 0.f};
     CUDA_CHECK(combine(bf(out.ptr), bf(dx.ptr), bf(dy.ptr), n, one, minus, 0));
-    gdy.upload(dy0);
-    CUDA_CHECK(combine_backward(bf(ddout.ptr), bf(dx.ptr), bf(dy.ptr), bf(gdx.ptr), false, bf(gdy.ptr), n, one, minus,
+    gdx.poison(), gdy.poison();
+    CUDA_CHECK(combine_backward(bf(ddout.ptr), bf(dx.ptr), bf(dy.ptr), bf(gdx.ptr), false, bf(gdy.ptr), false, n, one, minus,
                                 nullptr, sc.ptr + 5, partial.ptr, 0));
     CUDA_CHECK(cudaDeviceSynchronize());
-    std::vector<double> o2, o2_ref(n);
-    for (int64_t i = 0; i < n; ++i) o2_ref[i] = bf16_to_float(x[i]) - 0.5 * bf16_to_float(y[i]);
+    std::vector<double> o2, o2_ref(n), bx, by, bx_ref(n), by_ref(n);
+    for (int64_t i = 0; i < n; ++i) {
+        o2_ref[i] = bf16_to_float(x[i]) - 0.5 * bf16_to_float(y[i]);
+        bx_ref[i] = bf16_to_float(dout[i]), by_ref[i] = -0.5 * bf16_to_float(dout[i]);
+    }
     for (uint16_t v : out.download()) o2.push_back(bf16_to_float(v));
-    double e_o2 = rel_err_d(o2, o2_ref);
+    for (uint16_t v : gdx.download()) bx.push_back(bf16_to_float(v));
+    for (uint16_t v : gdy.download()) by.push_back(bf16_to_float(v));
+    double e_o2 = rel_err_d(o2, o2_ref), e_bx = rel_err_d(bx, bx_ref), e_by = rel_err_d(by, by_ref);
     s = sc.download();
     double e_lc = std::fabs(s[5] - (0.7 - sy)) / std::fabs(0.7 - sy);
     // the finite check of x: the flag stays -1 on finite values and takes the tag at an infinity
@@ -1324,10 +1332,10 @@ static void scalar_ops_case(int64_t n, uint64_t seed) {
     for (uint16_t v : wp.download()) w_got.push_back(bf16_to_float(v));
     for (uint16_t v : dw.download()) dw_got.push_back(bf16_to_float(v));
     double e_w = rel_err_d(w_got, w_ref), e_dw = rel_err_d(dw_got, dw_ref), e_gl = std::fabs(glam.download()[0] - sl) / std::fabs(sl);
-    printf("  mixing/backout/scaling n %lld  rel err: out %.1e dx %.1e dy %.1e dlambdas %.1e %.1e %.1e backout %.1e W' %.1e dW %.1e "
-           "dlambda %.1e\n", (long long)n, e_o, e_x, e_y, e_la, e_lb, e_lc, e_o2, e_w, e_dw, e_gl);
-    CHECK(e_o < 1e-2 && e_x < 1e-2 && e_y < 1e-2 && e_la < 1e-4 && e_lb < 1e-4 && e_lc < 1e-4 && e_o2 < 1e-2 && e_w < 1e-2 &&
-              e_dw < 1e-2 && e_gl < 1e-4,
+    printf("  mixing/backout/scaling n %lld  rel err: out %.1e dx %.1e dy %.1e dlambdas %.1e %.1e %.1e backout %.1e (dx %.1e dy "
+           "%.1e) W' %.1e dW %.1e dlambda %.1e\n", (long long)n, e_o, e_x, e_y, e_la, e_lb, e_lc, e_o2, e_bx, e_by, e_w, e_dw, e_gl);
+    CHECK(e_o < 1e-2 && e_x < 1e-2 && e_y < 1e-2 && e_la < 1e-4 && e_lb < 1e-4 && e_lc < 1e-4 && e_o2 < 1e-2 && e_bx < 1e-2 &&
+              e_by < 1e-2 && e_w < 1e-2 && e_dw < 1e-2 && e_gl < 1e-4,
           "scalar-weighted ops differ from the fp64 reference");
 }
 
@@ -1652,6 +1660,7 @@ static void test_model_kernels() {
     embedding_case(49152, 50304, 38);
     for (GateKind k : {GateKind::ValueEmbedding, GateKind::Output, GateKind::Smear, GateKind::Skip}) gate_case(k, 333, 40 + (int)k);
     gate_case(GateKind::ValueEmbedding, 205, 46, true, true);
+    gate_case(GateKind::Skip, 205, 48, true, false);
     gate_case(GateKind::Output, 205, 47, false, true);
     scalar_ops_case(768 * 1001, 50);
     scalar_ops_case(2304 * 768, 51);
