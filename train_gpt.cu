@@ -2054,6 +2054,7 @@ class Model {
         dpost_ = args.fused_mlp ? nullptr : bf(T * 4 * D);  // the fused backward never stores dpost
         for (auto& v : dve_) v = bf(T * D);
         dw_ = alloc<float>(3 * D * D), delta_ = alloc<float>(NUM_HEADS * 2 * T), dz_ = alloc<float>(NUM_HEADS * T);
+        dz_ve_ = alloc<float>(NUM_HEADS * T);
         dlam_rows_ = alloc<float>(T), partial_ = alloc<float>(2 * scal::DOT_BLOCKS);
         gate_partial_ = alloc<float>(gate::WG_BLOCKS * gate::WG_OUT);
         for (float*& sc : scales_) sc = alloc<float>(1);  // separate allocations: cuBLASLt wants 16-byte alignment
@@ -2333,7 +2334,7 @@ class Model {
     void attention_backward_block(int i, cudaStream_t s) {
         Layer& l = layers_[i];
         const int T = T_;
-        const int64_t D = MODEL_DIM, TD = (int64_t)T * D;
+        const int64_t D = MODEL_DIM;
         float* scalars = (float*)p_["scalars"].data;
         float* gscalars = (float*)p_["scalars"].grad;
         // O projection with W'o = sa1 Wo (the forward's): dyg = dx W'o, dW'o = dx^T yg
@@ -2342,12 +2343,11 @@ class Model {
         gemms_.bf16(s, Op::T, Op::N, D, D, T, dx_, D, l.yg, D, dw_, D, true);
         CUDA_CHECK(scale_weight_backward(dw_, attn_w(i) + 3 * D * D, attn_grad(i) + 3 * D * D, D * D,
                                          scalars + SCALAR_SA + 2 * i + 1, gscalars + SCALAR_SA + 2 * i + 1, partial_, s));
-        // output gate: dy, and the gate's input gradient into dxn (zeroed: the QKV backward adds on)
-        CUDA_CHECK(cudaMemsetAsync(dxn_, 0, TD * 2, s));
+        // output gate: dy (its input gradient joins dxn after the QKV backward: dz kept till then)
         gate::Params og = head_gate(i, attn_gate_w(i));
         og.a = l.y, og.dout = dyg_, og.da = dy_, og.dz = dz_;
         og.delta = delta_, og.delta_split = paired_head(i) ? 2 : 1;  // attention's delta, in the same pass
-        CUDA_CHECK(gate_backward(GateKind::Output, og, dxn_, D, attn_gate_grad(i), nullptr, s));
+        CUDA_CHECK(gate_backward(GateKind::Output, og, nullptr, 0, attn_gate_grad(i), nullptr, s));
         // attention (its tile schedule was overwritten by later layers: remake it)
         attn::Params ap = attn_params(i);
         if (attention_ds_bytes(ap.positions, ap.cu_len, ap.heads, ap.window) > ds_bytes_)
@@ -2357,20 +2357,23 @@ class Model {
         CUDA_CHECK(attention_schedule(ap, s));
         CUDA_CHECK(attention_backward(ap, s, true));
         profile_mark(Part::Elementwise, s);
-        // value-embedding gate: v passes through; dve and the gate's input gradient
+        // value-embedding gate: v passes through; dve (its input gradient too joins dxn later)
         const __nv_bfloat16* dv = value_grad();
+        gate::Params vg = head_gate(i, ve_gate_w(i));
         if (has_value_embed(i)) {
             const int k = LAYERS[i].ve;
-            gate::Params vg = head_gate(i, ve_gate_w(i));
             vg.b = ve_[k], vg.dout = dv, vg.ld_dout = VALUE_LD, vg.db = dve_[k], vg.db_first = !dve_written_[k];
-            vg.dz = dz_;
+            vg.dz = dz_ve_;
             dve_written_[k] = true;
-            CUDA_CHECK(gate_backward(GateKind::ValueEmbedding, vg, dxn_, D, ve_gate_grad(i), nullptr, s));
+            CUDA_CHECK(gate_backward(GateKind::ValueEmbedding, vg, nullptr, 0, ve_gate_grad(i), nullptr, s));
         }
         // dqkv: q, k through the rope and the QK norm (attention wrote dv in place)
         CUDA_CHECK(qk_norm_rope_backward(rope_params(i), s));
         // QKV projection with W'qkv = sa0 Wqkv (the forward's)
-        gemms_.bf16(s, Op::N, Op::N, T, D, 3 * D, dqkv_, 3 * D, wqkv, D, dxn_, D, false, 1.f, 1.f);
+        // (written, not added to: the gates' input gradients, on 12 of its columns, follow)
+        gemms_.bf16(s, Op::N, Op::N, T, D, 3 * D, dqkv_, 3 * D, wqkv, D, dxn_, D, false);
+        CUDA_CHECK(gate_input_grad(og, dxn_, D, s));
+        if (has_value_embed(i)) CUDA_CHECK(gate_input_grad(vg, dxn_, D, s));
         gemms_.bf16(s, Op::T, Op::N, 3 * D, D, T, dqkv_, 3 * D, l.xn_a, D, dw_, D, true);
         CUDA_CHECK(scale_weight_backward(dw_, attn_w(i), attn_grad(i), 3 * D * D, scalars + SCALAR_SA + 2 * i,
                                          gscalars + SCALAR_SA + 2 * i, partial_, s));
@@ -2463,7 +2466,7 @@ class Model {
     uint8_t *xf8_, *xf8t_, *wf8t_, *wf8_, *gf8_, *gf8t_;
     __nv_bfloat16 *dx_, *dx0_, *dskip_, *dback_, *dxn_, *dy_, *dyg_, *dq_, *dk_, *dqkv_, *dpost_, *dpre_,
         *dxn_head_, *demb_, *dve_[NUM_VALUE_EMBEDS];
-    float *dw_, *delta_, *dz_, *dlam_rows_, *partial_, *gate_partial_;
+    float *dw_, *delta_, *dz_, *dz_ve_, *dlam_rows_, *partial_, *gate_partial_;
     bool dve_written_[NUM_VALUE_EMBEDS] = {};  // the backward so far wrote dve_[k]
     std::unique_ptr<EmbeddingBackward> embed_bwd_;
     std::function<void(ReducePoint, int, cudaStream_t)> grad_ready_;
