@@ -105,6 +105,7 @@ extern char** environ;
     X(I64, profile_steps, 0, "time the parts of every Nth training step, by phase; a table at the end (0: off)")   \
     X(BOOL, gemm_autotune, true,                                                                                    \
       "time each GEMM shape's cuBLASLt candidates on its first call (false: the heuristic's first choice)")         \
+    X(I64, gemm_candidates, 8, "how many of cuBLASLt's heuristic candidates autotune times per GEMM shape (1-64)")  \
     X(BOOL, fused_mlp, true, "the MLP's c_fc GEMM with ReLU^2 in its epilogue, and its backward's (false: cuBLASLt + a pass)") \
     /* attention masking (windows in blocks of block_size tokens) */                                                \
     X(I64, block_size, 128, "attention window unit in tokens")                                                      \
@@ -501,6 +502,8 @@ static void parse_args(Hyperparameters& args, const std::vector<std::string>& ar
 }
 
 // Checks that the configuration can run at this world size; every message names the flag.
+constexpr int GEMM_MAX_CANDIDATES = 64;  // the most heuristic candidates a GEMM shape's tuning may time
+
 static void validate_args(const Hyperparameters& a, int world_size) {
     if (world_size < 1 || 8 % world_size != 0)
         fail(strprintf("world size %d does not divide 8 (run on 1, 2, 4 or 8 GPUs)", world_size));
@@ -514,6 +517,8 @@ static void validate_args(const Hyperparameters& a, int world_size) {
     if (a.val_files.empty()) fail("--val_files must not be empty");
     positive("train_max_seq_len", a.train_max_seq_len);
     positive("block_size", a.block_size);
+    if (a.gemm_candidates < 1 || a.gemm_candidates > GEMM_MAX_CANDIDATES)
+        fail(strprintf("--gemm_candidates must be in 1..%d, got %lld", GEMM_MAX_CANDIDATES, (long long)a.gemm_candidates));
     // 8 = world size x accumulation steps: every micro-batch holds whole max-length sequences
     const int64_t unit = 8 * a.train_max_seq_len;
     auto batch = [&](const char* flag, int64_t v) {
@@ -739,8 +744,11 @@ class Gemms {
    public:
     // autotune false: the heuristic's first choice, no timing (runs are then reproducible bit for bit
     // across processes; tuned choices may differ between processes when two candidates tie)
-    explicit Gemms(bool autotune = true, size_t workspace_bytes = 64ull << 20)
-        : autotune_(autotune), workspace_bytes_(workspace_bytes) {
+    // candidates: how many of the heuristic's algorithms a shape's tuning times
+    explicit Gemms(bool autotune = true, int candidates = 8, size_t workspace_bytes = 64ull << 20)
+        : autotune_(autotune), candidates_(candidates), workspace_bytes_(workspace_bytes) {
+        if (candidates < 1 || candidates > GEMM_MAX_CANDIDATES)
+            fatal(strprintf("GEMM candidates: %d is not in 1..%d", candidates, GEMM_MAX_CANDIDATES));
         CUBLAS_CHECK(cublasLtCreate(&lt_));
         CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
     }
@@ -914,9 +922,9 @@ class Gemms {
             CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &any, sizeof any));
             CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &any, sizeof any));
         }
-        cublasLtMatmulHeuristicResult_t results[8];
+        cublasLtMatmulHeuristicResult_t results[GEMM_MAX_CANDIDATES];
         int found = 0;
-        CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, p.desc, p.a, p.b, p.c, p.c, pref, 8, results, &found));
+        CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, p.desc, p.a, p.b, p.c, p.c, pref, candidates_, results, &found));
         CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
         for (int i = 0; i < found; ++i) p.candidates.push_back(results[i].algo);
         if (found == 0) fatal("cuBLASLt has no algorithm for a " + describe(key));
@@ -1070,6 +1078,7 @@ class Gemms {
     }
 
     const bool autotune_;
+    const int candidates_;
     cublasLtHandle_t lt_ = nullptr;
     void* workspace_ = nullptr;
     size_t workspace_bytes_;
@@ -4092,7 +4101,7 @@ static int trainer_main(int argc, char** argv) {
     capacity /= 8;
     const int64_t eval_local = args.val_batch_size / 8, max_local = std::max(capacity, eval_local);
     const int max_cu = (int)max_num_docs_of(max_local);
-    Gemms gemms(args.gemm_autotune);
+    Gemms gemms(args.gemm_autotune, (int)args.gemm_candidates);
     const std::string plan_for = gemm_plan_device();
     // a plan's lines after its first, which names the machine it was made for
     auto plan_body = [](const std::string& plan) {

@@ -347,6 +347,7 @@ static void test_config() {
         CHECK(c.gemm_autotune, "GEMM tuning is on by default");
         parse(c, {"--gemm_autotune", "false"});
         CHECK(!c.gemm_autotune, "--gemm_autotune false");
+        CHECK(c.gemm_candidates == 8, "eight GEMM candidates by default");
     }
     Hyperparameters base;
     expect_error("unknown flag", [&] { Hyperparameters h; parse(h, {"--learning_rate", "3"}); }, {"unknown flag --learning_rate"});
@@ -384,6 +385,8 @@ static void test_config() {
     bad("window", {"--ws_schedule", "3,0,11"}, {"--ws_schedule must be positive"});
     bad("empty schedule", {"--train_bs_schedule", ""}, {"--train_bs_schedule"});
     bad("lr", {"--adam_lr", "0"}, {"--adam_lr must be positive"});
+    bad("no GEMM candidates", {"--gemm_candidates", "0"}, {"--gemm_candidates must be in 1..64, got 0"});
+    bad("too many GEMM candidates", {"--gemm_candidates", "65"}, {"--gemm_candidates must be in 1..64, got 65"});
     bad("momentum", {"--momentum_max", "1.0"}, {"--momentum_max"});
     bad("run id", {"--run_id", "../etc"}, {"--run_id"});
     bad("checkpoint interval", {"--checkpoint_every", "-1"}, {"--checkpoint_every must not be negative"});
