@@ -2423,15 +2423,10 @@ __global__ void head_bwd_kernel(const Params p) {
     if (K == VE) {  // v passes through; dve += 2 s dv; dz = (dv . ve) 2 s (1 - s)
         tk::load8(p.b + t * p.ld_b + c, b);
         const float d = dot8(g, b);
-        float acc[8];
-        if (p.db_first) {
+        float acc[8] = {};  // db_first: 0 + the term, as on a zeroed db
+        if (!p.db_first) tk::load8(p.db + t * p.ld_db + c, acc);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] = 2.f * s * g[e];  // (0 + the term: the same value)
-        } else {
-            tk::load8(p.db + t * p.ld_db + c, acc);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] += 2.f * s * g[e];
-        }
+        for (int e = 0; e < 8; ++e) acc[e] += 2.f * s * g[e];
         tk::store8(p.db + t * p.ld_db + c, acc);
         if ((threadIdx.x & 15) == 0) p.dz[w] = d * 2.f * s * (1.f - s);
     } else {  // dy = dout s; dz = (dout . y) s (1 - s)
@@ -2517,17 +2512,12 @@ __global__ void row_bwd_kernel(const Params p) {
         const float c = sigmoid(lam), s = sigmoid(logit(p, t, 0));
 #pragma unroll
         for (int v = 0; v < 3; ++v) {
-            float sk[8], acc[8];
+            float sk[8], acc[8] = {};  // db_first: 0 + the term, as on a zeroed db
             tk::load8(p.dout + t * p.ld_dout + (v * 32 + lane) * 8, g[v]);
             tk::load8(p.b + t * p.ld_b + (v * 32 + lane) * 8, sk);
-            if (p.db_first) {
+            if (!p.db_first) tk::load8(p.db + t * p.ld_db + (v * 32 + lane) * 8, acc);
 #pragma unroll
-                for (int e = 0; e < 8; ++e) dsum += g[v][e] * sk[e], acc[e] = c * 2.f * s * g[v][e];  // (0 + the term)
-            } else {
-                tk::load8(p.db + t * p.ld_db + (v * 32 + lane) * 8, acc);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) dsum += g[v][e] * sk[e], acc[e] += c * 2.f * s * g[v][e];
-            }
+            for (int e = 0; e < 8; ++e) dsum += g[v][e] * sk[e], acc[e] += c * 2.f * s * g[v][e];
             tk::store8(p.db + t * p.ld_db + (v * 32 + lane) * 8, acc);
         }
         dsum = tk::warp_sum(dsum);
@@ -2799,16 +2789,14 @@ __global__ void norm_mix_bwd_kernel(const __nv_bfloat16* dxn, const float* rstd,
 #pragma unroll
         for (int v = 0; v < V; ++v) {
             const int64_t o = (int64_t)row * DIM + (v * 32 + lane) * 8;
-            float acc[8], ay[8];
+            float acc[8], ay[8] = {};  // DY_FIRST: 0 + the term, as on a zeroed dy
             tk::load8(dx + o, acc);
             if (!DY_FIRST) tk::load8(dy + o, ay);
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 const float dm = acc[e] + r * (fg[v][e] - fx[v][e] * c);
                 sx += dm * fxi[v][e], sy += dm * fyi[v][e];
-                acc[e] = a * dm;
-                if (DY_FIRST) ay[e] = b * dm;  // (0 + the term: the same value)
-                else ay[e] += b * dm;
+                acc[e] = a * dm, ay[e] += b * dm;
             }
             tk::store8(dx + o, acc);
             tk::store8(dy + o, ay);
