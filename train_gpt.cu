@@ -501,9 +501,9 @@ static void parse_args(Hyperparameters& args, const std::vector<std::string>& ar
     }
 }
 
-// Checks that the configuration can run at this world size; every message names the flag.
 constexpr int GEMM_MAX_CANDIDATES = 64;  // the most heuristic candidates a GEMM shape's tuning may time
 
+// Checks that the configuration can run at this world size; every message names the flag.
 static void validate_args(const Hyperparameters& a, int world_size) {
     if (world_size < 1 || 8 % world_size != 0)
         fail(strprintf("world size %d does not divide 8 (run on 1, 2, 4 or 8 GPUs)", world_size));

@@ -2341,7 +2341,7 @@ struct Params {
     const __nv_bfloat16* dout;   // gradient of the result
     int64_t ld_dout;
     __nv_bfloat16* da;           // gradient of a (may alias dout where a passes through)
-    __nv_bfloat16* db;           // gradient of b (ve, skip), accumulated
+    __nv_bfloat16* db;           // gradient of b (ve, skip), accumulated (db_first: written)
     bool db_first;               // ve, skip: db gets this gate's term alone (its first in the backward: no zeroing pass)
     int64_t ld_da, ld_db;
     float* dz;                   // tokens x heads
@@ -2355,12 +2355,11 @@ struct Params {
 };
 
 __device__ __forceinline__ float sigmoid(float z) { return 1.f / (1.f + __expf(-z)); }
-__device__ __forceinline__ float bf(float v) { return tk::round_bf16(v); }
 __device__ __forceinline__ float logit(const Params& p, int t, int h) {
     float s = 0.f;
 #pragma unroll
     for (int j = 0; j < GW; ++j) s += __bfloat162float(p.x[t * p.ld_x + j]) * __bfloat162float(p.w[h * GW + j]);
-    return bf(s);
+    return tk::round_bf16(s);
 }
 
 enum Kind { VE = 0, OUT = 1 };
@@ -2382,7 +2381,7 @@ __device__ __forceinline__ float logit_vec(const Params& p, int t, int h) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) s += xf[e] * wf[e];
     }
-    return bf(s);
+    return tk::round_bf16(s);
 }
 __device__ __forceinline__ float dot8(const float a[8], const float b[8]) {
     float s = 0.f;
@@ -2433,7 +2432,7 @@ __global__ void head_bwd_kernel(const Params p) {
         tk::load8(p.a + t * p.ld_a + c, b);
         const float d = dot8(g, b);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) g[e] = bf(g[e] * s);  // as stored: attention's delta reads dy in bf16
+        for (int e = 0; e < 8; ++e) g[e] = tk::round_bf16(g[e] * s);  // as stored: attention's delta reads dy in bf16
         tk::store8(p.da + t * p.ld_da + c, g);
         float delta = 0.f;
         if (p.delta) delta = dot8(g, b);
