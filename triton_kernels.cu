@@ -240,6 +240,11 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t r[4]) 
                  "r"(r[2]), "r"(r[3])
                  : "memory");
 }
+// 16 bytes to global memory in one store (a uint4 assignment through a computed pointer can come
+// out of the compiler as four 4-byte stores)
+__device__ __forceinline__ void stg128(void* p, uint4 v) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
 // 16 bytes from shared memory
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
     uint4 v;
@@ -494,19 +499,33 @@ __device__ __forceinline__ void settle(float acc[16][4], uint32_t pf[4][4]) {
     tk::fence_regs<16>(&pf[0][0]);
 }
 
-// Stores a warp's 16 x 128 fp32 accumulator rows as bf16 (times mul); rows >= row_end are skipped.
-__device__ __forceinline__ void store_rows(__nv_bfloat16* base, int64_t stride, int row0, int row_end,
+// Stores a warp's 16 x 128 fp32 accumulator rows as bf16 (times mul_lo on its rows 0-7, mul_hi on
+// 8-15); rows >= row_end are skipped. Through the warp's 16 rows of shared memory at stage (DS_PITCH
+// apart, free on entry): its 4-byte fragment pairs go in by stmatrix, 64 columns at a time, and out
+// as 16-byte pieces of whole rows, four stores a thread where the pairs took sixteen.
+__device__ __forceinline__ void store_rows(uint32_t stage, __nv_bfloat16* base, int64_t stride, int row0, int row_end,
                                            const float acc[16][4], float mul_lo, float mul_hi, int shift = 0,
                                            int64_t half = 0) {
     const int lane = threadIdx.x & 31;
-    const int r = row0 + (lane >> 2);
-    __nv_bfloat16* lo = base + row_offset(r, stride, shift, half);
-    __nv_bfloat16* hi = base + row_offset(r + 8, stride, shift, half);
+    const uint32_t at = stage + ((lane & 7) + 8 * ((lane >> 3) & 1)) * DS_PITCH + 16 * (lane >> 4);
 #pragma unroll
-    for (int dt = 0; dt < 16; ++dt) {
-        int c = dt * 8 + (lane & 3) * 2;
-        if (r < row_end) *reinterpret_cast<uint32_t*>(lo + c) = tk::pack_bf16(acc[dt][0] * mul_lo, acc[dt][1] * mul_lo);
-        if (r + 8 < row_end) *reinterpret_cast<uint32_t*>(hi + c) = tk::pack_bf16(acc[dt][2] * mul_hi, acc[dt][3] * mul_hi);
+    for (int hc = 0; hc < 2; ++hc) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {  // the 8 x 8 blocks at rows 0 / 8, columns 16 kk / 16 kk + 8
+            const float *a = acc[8 * hc + 2 * kk], *b = acc[8 * hc + 2 * kk + 1];
+            const uint32_t r[4] = {tk::pack_bf16(a[0] * mul_lo, a[1] * mul_lo), tk::pack_bf16(a[2] * mul_hi, a[3] * mul_hi),
+                                   tk::pack_bf16(b[0] * mul_lo, b[1] * mul_lo), tk::pack_bf16(b[2] * mul_hi, b[3] * mul_hi)};
+            tk::stmatrix_x4(at + 32 * kk, r);
+        }
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int c = lane + 32 * i, row = c >> 3, chunk = c & 7;
+            if (row0 + row < row_end)
+                tk::stg128(base + row_offset(row0 + row, stride, shift, half) + 64 * hc + 8 * chunk,
+                           tk::lds128(stage + row * DS_PITCH + 16 * chunk));
+        }
+        __syncwarp();  // read before the next half's stmatrix
     }
 }
 
@@ -683,7 +702,8 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, const FwdMaps& ma
         inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
         lse[r] = l[r] > 0.f ? (m[r] + log2f(l[r])) / LOG2E : -INFINITY;
     }
-    store_rows(p.o + h * D, p.o_stride, q0 + warp * 16, s1, o, inv[0], inv[1]);
+    // staged in this warp's rows of Q's tile: only S's MMAs read it, and the last one was waited for
+    store_rows(sQ + warp * 16 * DS_PITCH, p.o + h * D, p.o_stride, q0 + warp * 16, s1, o, inv[0], inv[1]);
     if ((lane & 3) == 0) {
         if (row_lo < s1) p.lse[(int64_t)h * p.positions + row_lo] = lse[0];
         if (row_lo + 8 < s1) p.lse[(int64_t)h * p.positions + row_lo + 8] = lse[1];
@@ -826,7 +846,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, const BwdMap
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int c = lane + 32 * i, row = c >> 3, chunk = c & 7;
-            *reinterpret_cast<uint4*>(out + row * BLOCK + chunk * 8) = tk::lds128(sDS + row * DS_PITCH + chunk * 16);
+            tk::stg128(out + row * BLOCK + chunk * 8, tk::lds128(sDS + row * DS_PITCH + chunk * 16));
         }
         __syncwarp();  // read before the next tile's stmatrix
         if (nb + 1 < nblocks && threadIdx.x < BLOCK) {  // read after the next iteration's barrier
@@ -834,8 +854,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, const BwdMap
             sDl[(buf ^ 1) * BLOCK + threadIdx.x] = delta_next;
         }
     }
-    store_rows(p.dk + h * D, p.dk_stride, k0 + warp * 16, s1, dk, p.scale, p.scale);
-    store_rows(p.dv + h * D, p.dv_stride, k0 + warp * 16, s1, dv, 1.f, 1.f, p.v_shift, p.v_half);
+    store_rows(sDS, p.dk + h * D, p.dk_stride, k0 + warp * 16, s1, dk, p.scale, p.scale);  // staged in the dS^T rows
+    store_rows(sDS, p.dv + h * D, p.dv_stride, k0 + warp * 16, s1, dv, 1.f, 1.f, p.v_shift, p.v_half);
 }
 
 // ---- backward dQ: one CTA per (64-query tile, head), over the key tiles it sees ----
@@ -893,7 +913,8 @@ __device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, const DqMaps& 
         tk::wgmma_wait_all();
         tk::fence_regs<64>(d);
     }
-    store_rows(p.dq + h * D, p.dq_stride, q0 + warp * 16, s1, dq, p.scale, p.scale);
+    // staged in the first K slot: every copy landed and every MMA was waited for
+    store_rows(sK + warp * 16 * DS_PITCH, p.dq + h * D, p.dq_stride, q0 + warp * 16, s1, dq, p.scale, p.scale);
 }
 
 constexpr int FWD_SMEM = 4 * TILE_BYTES + 16 + 1024;             // Q, three K/V slots, 2 mbarriers (+ alignment)
