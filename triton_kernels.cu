@@ -740,122 +740,160 @@ __device__ __forceinline__ void load_row_stats(float* dst, const float* src, int
     if (threadIdx.x < BLOCK) dst[threadIdx.x] = fetch_row_stat(src, i0, end) * mul;
 }
 
-// ---- backward dK, dV: one CTA per (64-key tile, head), over the query tiles that see it ----
+// ---- backward dK, dV: per (64-key tile, head), over the query tiles that see it ----
 // Per query tile: S^T = K Q^T and dP^T = V dO^T issued together, then P^T and dS^T, then dV += P^T dO
 // and dK += dS^T Q, waited for in the same iteration: left in flight across the loop's back edge
 // they made ptxas serialize every wgmma of the kernel (its C7515 warning), 8 ms more a 393k step.
 // dS^T also goes to p.ds for the dQ pass.
+// Persistent: two CTAs an SM (the registers and shared memory allow two), each taking its head's key
+// tiles in a fixed order (persistent_tile); a tile's last iteration issues the next tile's K, V and
+// first Q and dO tiles, so their copies run under its last products and its dK / dV stores (one CTA
+// a tile spent about a quarter of its warps' time in its first loads and last stores).
 // the dK/dV pass's maps: the forward's and dout's (as q's)
 struct BwdMaps {
     FwdMaps f;
     CUtensorMap dout;
 };
-__device__ __forceinline__ void attn_bwd_dkdv_tile(const Params& p, const BwdMaps& maps, unsigned char* smem, int s1,
-                                                   int k0, int seq) {
+constexpr int BWD_CTAS_PER_SM = 2;
+// The n-th tile of the CTA x of `ctas` in a list sorted heaviest first: round n takes the next
+// `ctas` tiles, in turn forwards and backwards (CTA 0 takes the heaviest of even rounds, the
+// lightest of odd ones), so every CTA's total is near the mean.
+__device__ __forceinline__ int persistent_tile(int x, int ctas, int n) {
+    return n * ctas + (n & 1 ? ctas - 1 - x : x);
+}
+__device__ __forceinline__ void attn_bwd_dkdv_tiles(const Params& p, const BwdMaps& maps, unsigned char* smem) {
     const int h = blockIdx.y, col = h * D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int count = p.tiles[0].x;
+    const int4* list = p.tiles + 1 + max_tiles(p.positions, p.cu_len);  // by key tile, heaviest first
+    if ((int)blockIdx.x >= count) return;
     const uint32_t sK = tk::smem_u32(smem), sV = sK + TILE_BYTES, sQ = sK + 2 * TILE_BYTES,
                    sO = sK + 4 * TILE_BYTES;  // sQ[2], sdO[2]
     float* sL = reinterpret_cast<float*>(smem + 6 * TILE_BYTES);  // [2][64] lse * log2e
     float* sDl = sL + 2 * BLOCK;                                    // [2][64] delta
     // this warp's 16 rows of dS^T on their way to p.ds (rows DS_PITCH bytes apart: no bank conflicts)
     const uint32_t sDS = tk::smem_u32(smem + 6 * TILE_BYTES + 4 * BLOCK * 4) + warp * 16 * DS_PITCH;
-    // query tile n's Q and dO arrive (by TMA, as the forward's tiles) on the mbarrier at bars + 8 (n & 1)
+    // the CTA's query iteration `it` (over all its key tiles) uses buffers it & 1, its Q and dO arrive
+    // (by TMA, as the forward's tiles) on the mbarrier at bars + 8 (it & 1); K and V on bars + 16
     const uint32_t bars = tk::smem_u32(smem + 6 * TILE_BYTES + 4 * BLOCK * 4 + BLOCK * DS_PITCH);
+    const uint32_t bar_kv = bars + 16;
     const float* lse_h = p.lse + (int64_t)h * p.positions;
     const float* delta_h = p.delta + (int64_t)h * p.positions;
 
-    const int nblocks = query_blocks(p, s1, k0);
-
+    int4 cur = list[blockIdx.x];  // {seq start, seq end, tile start, sequence}
     if (threadIdx.x == 0) {
         tk::mbar_init(bars, 1);
         tk::mbar_init(bars + 8, 1);
+        tk::mbar_init(bar_kv, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        tk::mbar_expect_tx(bars, 4 * TILE_BYTES);
-        tma_tile(sK, &maps.f.k, col, k0, bars);
-        tma_v_tile(sV, &maps.f.v, col, k0, p.v_shift, bars);
-        tma_tile(sQ, &maps.f.q, col, k0, bars);
-        tma_tile(sO, &maps.dout, col, k0, bars);
+        tk::mbar_expect_tx(bar_kv, 2 * TILE_BYTES);
+        tma_tile(sK, &maps.f.k, col, cur.z, bar_kv);
+        tma_v_tile(sV, &maps.f.v, col, cur.z, p.v_shift, bar_kv);
+        tk::mbar_expect_tx(bars, 2 * TILE_BYTES);
+        tma_tile(sQ, &maps.f.q, col, cur.z, bars);
+        tma_tile(sO, &maps.dout, col, cur.z, bars);
     }
-    load_row_stats(sL, lse_h, k0, s1, LOG2E);
-    load_row_stats(sDl, delta_h, k0, s1, 1.f);
+    load_row_stats(sL, lse_h, cur.z, cur.y, LOG2E);
+    load_row_stats(sDl, delta_h, cur.z, cur.y, 1.f);
     __syncthreads();  // the barriers initialized before anyone waits on them
 
     const float sl2 = p.scale * LOG2E;
-    float dk[16][4] = {}, dv[16][4] = {};
-    uint32_t pf[4][4] = {}, dsf[4][4] = {};  // P^T and dS^T: the A fragments of the dV and dK MMAs
-    const int key_lo = k0 + warp * 16 + (lane >> 2);  // this thread's keys: key_lo, key_lo + 8
     const int cb = (lane & 3) * 2;
+    int it = 0;
+    for (int n = 0;; ++n) {
+        const int s1 = cur.y, k0 = cur.z, seq = cur.w;
+        const int t_next = persistent_tile(blockIdx.x, gridDim.x, n + 1);
+        const bool has_next = t_next < count;
+        const int4 next = has_next ? list[t_next] : cur;  // read now, first needed in the last iteration
+        const int nblocks = query_blocks(p, s1, k0);
+        float dk[16][4] = {}, dv[16][4] = {};
+        uint32_t pf[4][4] = {}, dsf[4][4] = {};  // P^T and dS^T: the A fragments of the dV and dK MMAs
+        const int key_lo = k0 + warp * 16 + (lane >> 2);  // this thread's keys: key_lo, key_lo + 8
+        tk::mbar_wait(bar_kv, n & 1);                     // K and V of this tile have landed
 
-    for (int nb = 0; nb < nblocks; ++nb) {
-        const int qb = k0 + nb * BLOCK;
-        const int buf = nb & 1;
-        const uint32_t qt = sQ + buf * TILE_BYTES, ot = sO + buf * TILE_BYTES;
-        const float* L = sL + buf * BLOCK;
-        const float* Dl = sDl + buf * BLOCK;
-        tk::mbar_wait(bars + 8 * (nb & 1), (nb >> 1) & 1);  // Q and dO of tile nb have landed
-        __syncthreads();  // and every warp is done with tile nb - 1 (its MMAs were waited for; its stores
-        // of this tile's lse and delta are visible): refill the other buffers before this tile's MMAs,
-        // which then run under the copies. The next tile's lse and delta: loaded into registers here,
-        // stored at the end of the iteration (a store right after its load would hold warps 0-1, and
-        // with them the MMAs, for the DRAM latency)
-        float lse_next = 0.f, delta_next = 0.f;
-        if (nb + 1 < nblocks) {
-            if (threadIdx.x == 0) {
-                const uint32_t bar = bars + 8 * ((nb + 1) & 1);
-                tk::mbar_expect_tx(bar, 2 * TILE_BYTES);
-                tma_tile(sQ + (buf ^ 1) * TILE_BYTES, &maps.f.q, col, qb + BLOCK, bar);
-                tma_tile(sO + (buf ^ 1) * TILE_BYTES, &maps.dout, col, qb + BLOCK, bar);
+        for (int nb = 0; nb < nblocks; ++nb, ++it) {
+            const int qb = k0 + nb * BLOCK;
+            const int buf = it & 1;
+            const uint32_t qt = sQ + buf * TILE_BYTES, ot = sO + buf * TILE_BYTES;
+            const float* L = sL + buf * BLOCK;
+            const float* Dl = sDl + buf * BLOCK;
+            const bool last = nb + 1 == nblocks;
+            tk::mbar_wait(bars + 8 * buf, (it >> 1) & 1);  // Q and dO of query tile nb have landed
+            __syncthreads();  // and every warp is done with the previous iteration (its MMAs were waited
+            // for; its stores of this tile's lse and delta are visible): refill the other buffers before
+            // this iteration's MMAs, which then run under the copies, with this key tile's next query
+            // tile or the next key tile's first. Its lse and delta: loaded into registers here, stored at
+            // the end of the iteration (a store right after its load would hold warps 0-1, and with them
+            // the MMAs, for the DRAM latency)
+            float lse_next = 0.f, delta_next = 0.f;
+            const bool refill = !last || has_next;
+            if (refill) {
+                const int q_next = last ? next.z : qb + BLOCK, s1_next = last ? next.y : s1;
+                if (threadIdx.x == 0) {
+                    const uint32_t bar = bars + 8 * (buf ^ 1);
+                    tk::mbar_expect_tx(bar, 2 * TILE_BYTES);
+                    tma_tile(sQ + (buf ^ 1) * TILE_BYTES, &maps.f.q, col, q_next, bar);
+                    tma_tile(sO + (buf ^ 1) * TILE_BYTES, &maps.dout, col, q_next, bar);
+                }
+                lse_next = fetch_row_stat(lse_h, q_next, s1_next);
+                delta_next = fetch_row_stat(delta_h, q_next, s1_next);
             }
-            lse_next = fetch_row_stat(lse_h, qb + BLOCK, s1);
-            delta_next = fetch_row_stat(delta_h, qb + BLOCK, s1);
-        }
-        // P^T = exp(S^T - lse), S^T = K Q^T; dP^T = V dO^T (16 keys x 64 queries per warp)
-        float s[8][4], dp[8][4];  // written whole by the MMAs' first k-steps
-        gemm_abt2_issue(s, sK, qt, dp, sV, ot);
-        tk::wgmma_wait_all();
-        tk::fence_regs<32>(&s[0][0]);
-        tk::fence_regs<32>(&dp[0][0]);
-        const bool need_mask = qb < k0 + BLOCK - 1 || qb + BLOCK - 1 - k0 > p.window || qb + BLOCK > s1;
-        const ColumnRange cr[2] = {key_columns(p, key_lo, s1, qb, cb), key_columns(p, key_lo + 8, s1, qb, cb)};
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int c = nt * 8 + cb + (e & 1);
-                float pv = tk::fast_exp2(s[nt][e] * sl2 - L[c]);
-                if (need_mask && !in_range(cr[e >> 1], nt * 8 + (e & 1))) pv = 0.f;
-                s[nt][e] = pv;
-                dp[nt][e] = pv * (dp[nt][e] - Dl[c]);  // dS^T = P^T (dP^T - delta), P in fp32 (as FA2)
+            // P^T = exp(S^T - lse), S^T = K Q^T; dP^T = V dO^T (16 keys x 64 queries per warp)
+            float s[8][4], dp[8][4];  // written whole by the MMAs' first k-steps
+            gemm_abt2_issue(s, sK, qt, dp, sV, ot);
+            tk::wgmma_wait_all();
+            tk::fence_regs<32>(&s[0][0]);
+            tk::fence_regs<32>(&dp[0][0]);
+            if (last && has_next) {  // K and V are read by no MMA after this: the next tile's go there
+                __syncthreads();
+                if (threadIdx.x == 0) {
+                    tk::mbar_expect_tx(bar_kv, 2 * TILE_BYTES);
+                    tma_tile(sK, &maps.f.k, col, next.z, bar_kv);
+                    tma_v_tile(sV, &maps.f.v, col, next.z, p.v_shift, bar_kv);
+                }
             }
-        to_a_frags(pf, s);  // P and dS in bf16, as they enter the products
-        to_a_frags(dsf, dp);
-        gemm_pb_issue(dv, pf, ot);   // dV += P^T dO
-        gemm_pb_issue(dk, dsf, qt);  // dK += dS^T Q
-        tk::wgmma_wait_all();
-        settle(dv, pf);
-        settle(dk, dsf);
-        // dS^T for the dQ pass: the warp's 16 rows through shared memory (dsf[kk] holds the 8 x 8
-        // blocks at rows 0 / 8, columns 16 kk / 16 kk + 8), then 16-byte stores of whole rows: four
-        // a thread where its words took sixteen (the global store queue throttled the kernel)
+            const bool need_mask = qb < k0 + BLOCK - 1 || qb + BLOCK - 1 - k0 > p.window || qb + BLOCK > s1;
+            const ColumnRange cr[2] = {key_columns(p, key_lo, s1, qb, cb), key_columns(p, key_lo + 8, s1, qb, cb)};
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            tk::stmatrix_x4(sDS + ((lane & 7) + 8 * ((lane >> 3) & 1)) * DS_PITCH + (16 * kk + 8 * (lane >> 4)) * 2, dsf[kk]);
-        __syncwarp();
-        __nv_bfloat16* out = ds_tile(p, h, k0, seq, nb) + warp * 16 * BLOCK;
+            for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int c = lane + 32 * i, row = c >> 3, chunk = c & 7;
-            tk::stg128(out + row * BLOCK + chunk * 8, tk::lds128(sDS + row * DS_PITCH + chunk * 16));
+                for (int e = 0; e < 4; ++e) {
+                    int c = nt * 8 + cb + (e & 1);
+                    float pv = tk::fast_exp2(s[nt][e] * sl2 - L[c]);
+                    if (need_mask && !in_range(cr[e >> 1], nt * 8 + (e & 1))) pv = 0.f;
+                    s[nt][e] = pv;
+                    dp[nt][e] = pv * (dp[nt][e] - Dl[c]);  // dS^T = P^T (dP^T - delta), P in fp32 (as FA2)
+                }
+            to_a_frags(pf, s);  // P and dS in bf16, as they enter the products
+            to_a_frags(dsf, dp);
+            gemm_pb_issue(dv, pf, ot);   // dV += P^T dO
+            gemm_pb_issue(dk, dsf, qt);  // dK += dS^T Q
+            tk::wgmma_wait_all();
+            settle(dv, pf);
+            settle(dk, dsf);
+            // dS^T for the dQ pass: the warp's 16 rows through shared memory (dsf[kk] holds the 8 x 8
+            // blocks at rows 0 / 8, columns 16 kk / 16 kk + 8), then 16-byte stores of whole rows
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                tk::stmatrix_x4(sDS + ((lane & 7) + 8 * ((lane >> 3) & 1)) * DS_PITCH + (16 * kk + 8 * (lane >> 4)) * 2, dsf[kk]);
+            __syncwarp();
+            __nv_bfloat16* out = ds_tile(p, h, k0, seq, nb) + warp * 16 * BLOCK;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int c = lane + 32 * i, row = c >> 3, chunk = c & 7;
+                tk::stg128(out + row * BLOCK + chunk * 8, tk::lds128(sDS + row * DS_PITCH + chunk * 16));
+            }
+            __syncwarp();  // read before the next tile's stmatrix
+            if (refill && threadIdx.x < BLOCK) {  // read after the next iteration's barrier
+                sL[(buf ^ 1) * BLOCK + threadIdx.x] = lse_next * LOG2E;
+                sDl[(buf ^ 1) * BLOCK + threadIdx.x] = delta_next;
+            }
         }
-        __syncwarp();  // read before the next tile's stmatrix
-        if (nb + 1 < nblocks && threadIdx.x < BLOCK) {  // read after the next iteration's barrier
-            sL[(buf ^ 1) * BLOCK + threadIdx.x] = lse_next * LOG2E;
-            sDl[(buf ^ 1) * BLOCK + threadIdx.x] = delta_next;
-        }
+        store_rows(sDS, p.dk + h * D, p.dk_stride, k0 + warp * 16, s1, dk, p.scale, p.scale);  // staged in the dS^T rows
+        store_rows(sDS, p.dv + h * D, p.dv_stride, k0 + warp * 16, s1, dv, 1.f, 1.f, p.v_shift, p.v_half);
+        if (!has_next) break;
+        cur = next;
     }
-    store_rows(sDS, p.dk + h * D, p.dk_stride, k0 + warp * 16, s1, dk, p.scale, p.scale);  // staged in the dS^T rows
-    store_rows(sDS, p.dv + h * D, p.dv_stride, k0 + warp * 16, s1, dv, 1.f, 1.f, p.v_shift, p.v_half);
 }
 
 // ---- backward dQ: one CTA per (64-query tile, head), over the key tiles it sees ----
@@ -918,8 +956,8 @@ __device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, const DqMaps& 
 }
 
 constexpr int FWD_SMEM = 4 * TILE_BYTES + 16 + 1024;             // Q, three K/V slots, 2 mbarriers (+ alignment)
-constexpr int BWD_SMEM = 6 * TILE_BYTES + 4 * BLOCK * 4 + BLOCK * DS_PITCH + 16 + 1024;  // dK/dV: K, V, Q[2],
-                                                        // dO[2], lse[2], delta[2], dS^T rows, 2 mbarriers
+constexpr int BWD_SMEM = 6 * TILE_BYTES + 4 * BLOCK * 4 + BLOCK * DS_PITCH + 24 + 1024;  // dK/dV: K, V, Q[2],
+                                                        // dO[2], lse[2], delta[2], dS^T rows, 3 mbarriers
 constexpr int DQ_SMEM = DQ_STAGES * (DS_TILE_BYTES + TILE_BYTES + 8) + 1024;  // dQ: (dS^T, K, mbarrier)[DQ_STAGES]
 
 __global__ void __launch_bounds__(THREADS, 3) attn_fwd_kernel(const Params p, const __grid_constant__ FwdMaps maps) {
@@ -932,12 +970,11 @@ __global__ void __launch_bounds__(THREADS, 3) attn_fwd_kernel(const Params p, co
 }
 
 // dK/dV by key tile (heaviest first), writing dS^T; then, in a second launch, dQ by query tile
-__global__ void __launch_bounds__(THREADS) attn_bwd_dkdv_kernel(const Params p, const __grid_constant__ BwdMaps maps) {
+__global__ void __launch_bounds__(THREADS, BWD_CTAS_PER_SM) attn_bwd_dkdv_kernel(const Params p,
+                                                                                const __grid_constant__ BwdMaps maps) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (tk::smem_u32(smem_raw) & 1023)) & 1023);
-    if ((int)blockIdx.x >= p.tiles[0].x) return;
-    const int4 t = p.tiles[1 + max_tiles(p.positions, p.cu_len) + blockIdx.x];
-    attn_bwd_dkdv_tile(p, maps, smem, t.y, t.z, t.w);
+    attn_bwd_dkdv_tiles(p, maps, smem);
 }
 __global__ void __launch_bounds__(THREADS) attn_bwd_dq_kernel(const Params p, const __grid_constant__ DqMaps maps) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -1012,8 +1049,11 @@ inline cudaError_t attention_backward(attn::Params p, cudaStream_t stream, bool 
     attn::BwdMaps maps;
     if (cudaError_t e = attention_maps(p, maps.f)) return e;
     if (!attention_rows_map(&maps.dout, p, p.dout, p.dout_stride)) return cudaErrorInvalidValue;
-    const dim3 grid(attn::max_tiles(p.positions, p.cu_len), p.heads);
-    attn::attn_bwd_dkdv_kernel<<<grid, attn::THREADS, attn::BWD_SMEM, stream>>>(p, maps);
+    const int tiles = attn::max_tiles(p.positions, p.cu_len);
+    const int persistent = std::max(1, attn::BWD_CTAS_PER_SM * tk::num_sms() / p.heads);  // CTAs a head: all resident
+    attn::attn_bwd_dkdv_kernel<<<dim3(std::min(tiles, persistent), p.heads), attn::THREADS, attn::BWD_SMEM, stream>>>(
+        p, maps);
+    const dim3 grid(tiles, p.heads);
     attn::DqMaps dq_maps;
     dq_maps.k = maps.f.k;
     const int64_t ds_rows = attention_ds_bytes(p.positions, p.cu_len, p.heads, p.window) / (attn::BLOCK * 2);
