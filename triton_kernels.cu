@@ -702,7 +702,8 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, const FwdMaps& ma
         inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
         lse[r] = l[r] > 0.f ? (m[r] + log2f(l[r])) / LOG2E : -INFINITY;
     }
-    // staged in this warp's rows of Q's tile: only S's MMAs read it, and the last one was waited for
+    // staged in this warp's rows of Q's tile: only S's MMAs read it, and every warp waited for the last
+    // one before the last iteration's barrier
     store_rows(sQ + warp * 16 * DS_PITCH, p.o + h * D, p.o_stride, q0 + warp * 16, s1, o, inv[0], inv[1]);
     if ((lane & 3) == 0) {
         if (row_lo < s1) p.lse[(int64_t)h * p.positions + row_lo] = lse[0];
@@ -951,7 +952,9 @@ __device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, const DqMaps& 
         tk::wgmma_wait_all();
         tk::fence_regs<64>(d);
     }
-    // staged in the first K slot: every copy landed and every MMA was waited for
+    // staged in the first K slot: every copy landed, and after the barrier every warp has waited for
+    // its part of the last MMA (which may read that slot)
+    __syncthreads();
     store_rows(sK + warp * 16 * DS_PITCH, p.dq + h * D, p.dq_stride, q0 + warp * 16, s1, dq, p.scale, p.scale);
 }
 
