@@ -499,33 +499,40 @@ __device__ __forceinline__ void settle(float acc[16][4], uint32_t pf[4][4]) {
     tk::fence_regs<16>(&pf[0][0]);
 }
 
+// Stores a warp's 16 x 64 bf16 tile, held as mma fragments (f[kk]: the 8 x 8 blocks at rows 0 / 8,
+// columns 16 kk / 16 kk + 8), to rows row0.. of base (row_offset's layout); rows >= row_end are
+// skipped. Through the warp's 16 rows of shared memory at stage (DS_PITCH apart, free on entry): in by
+// stmatrix, out as 16-byte pieces of whole rows, four stores a thread where the 4-byte pairs took sixteen.
+__device__ __forceinline__ void store_frag_rows(uint32_t stage, const uint32_t f[4][4], __nv_bfloat16* base, int64_t stride,
+                                                int row0, int row_end, int shift = 0, int64_t half = 0) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+        tk::stmatrix_x4(stage + ((lane & 7) + 8 * ((lane >> 3) & 1)) * DS_PITCH + (16 * kk + 8 * (lane >> 4)) * 2, f[kk]);
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int c = lane + 32 * i, row = c >> 3, chunk = c & 7;
+        if (row0 + row < row_end)
+            tk::stg128(base + row_offset(row0 + row, stride, shift, half) + 8 * chunk, tk::lds128(stage + row * DS_PITCH + 16 * chunk));
+    }
+    __syncwarp();  // read before the next stmatrix
+}
 // Stores a warp's 16 x 128 fp32 accumulator rows as bf16 (times mul_lo on its rows 0-7, mul_hi on
-// 8-15); rows >= row_end are skipped. Through the warp's 16 rows of shared memory at stage (DS_PITCH
-// apart, free on entry): its 4-byte fragment pairs go in by stmatrix, 64 columns at a time, and out
-// as 16-byte pieces of whole rows, four stores a thread where the pairs took sixteen.
+// 8-15), 64 columns at a time through store_frag_rows; rows >= row_end are skipped.
 __device__ __forceinline__ void store_rows(uint32_t stage, __nv_bfloat16* base, int64_t stride, int row0, int row_end,
                                            const float acc[16][4], float mul_lo, float mul_hi, int shift = 0,
                                            int64_t half = 0) {
-    const int lane = threadIdx.x & 31;
-    const uint32_t at = stage + ((lane & 7) + 8 * ((lane >> 3) & 1)) * DS_PITCH + 16 * (lane >> 4);
 #pragma unroll
     for (int hc = 0; hc < 2; ++hc) {
+        uint32_t f[4][4];
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {  // the 8 x 8 blocks at rows 0 / 8, columns 16 kk / 16 kk + 8
+        for (int kk = 0; kk < 4; ++kk) {
             const float *a = acc[8 * hc + 2 * kk], *b = acc[8 * hc + 2 * kk + 1];
-            const uint32_t r[4] = {tk::pack_bf16(a[0] * mul_lo, a[1] * mul_lo), tk::pack_bf16(a[2] * mul_hi, a[3] * mul_hi),
-                                   tk::pack_bf16(b[0] * mul_lo, b[1] * mul_lo), tk::pack_bf16(b[2] * mul_hi, b[3] * mul_hi)};
-            tk::stmatrix_x4(at + 32 * kk, r);
+            f[kk][0] = tk::pack_bf16(a[0] * mul_lo, a[1] * mul_lo), f[kk][1] = tk::pack_bf16(a[2] * mul_hi, a[3] * mul_hi);
+            f[kk][2] = tk::pack_bf16(b[0] * mul_lo, b[1] * mul_lo), f[kk][3] = tk::pack_bf16(b[2] * mul_hi, b[3] * mul_hi);
         }
-        __syncwarp();
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int c = lane + 32 * i, row = c >> 3, chunk = c & 7;
-            if (row0 + row < row_end)
-                tk::stg128(base + row_offset(row0 + row, stride, shift, half) + 64 * hc + 8 * chunk,
-                           tk::lds128(stage + row * DS_PITCH + 16 * chunk));
-        }
-        __syncwarp();  // read before the next half's stmatrix
+        store_frag_rows(stage, f, base + 64 * hc, stride, row0, row_end, shift, half);
     }
 }
 
@@ -872,19 +879,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_tiles(const Params& p, const BwdMa
             tk::wgmma_wait_all();
             settle(dv, pf);
             settle(dk, dsf);
-            // dS^T for the dQ pass: the warp's 16 rows through shared memory (dsf[kk] holds the 8 x 8
-            // blocks at rows 0 / 8, columns 16 kk / 16 kk + 8), then 16-byte stores of whole rows
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                tk::stmatrix_x4(sDS + ((lane & 7) + 8 * ((lane >> 3) & 1)) * DS_PITCH + (16 * kk + 8 * (lane >> 4)) * 2, dsf[kk]);
-            __syncwarp();
-            __nv_bfloat16* out = ds_tile(p, h, k0, seq, nb) + warp * 16 * BLOCK;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int c = lane + 32 * i, row = c >> 3, chunk = c & 7;
-                tk::stg128(out + row * BLOCK + chunk * 8, tk::lds128(sDS + row * DS_PITCH + chunk * 16));
-            }
-            __syncwarp();  // read before the next tile's stmatrix
+            // dS^T for the dQ pass: the warp's 16 rows of its tile
+            store_frag_rows(sDS, dsf, ds_tile(p, h, k0, seq, nb) + warp * 16 * BLOCK, BLOCK, 0, 16);
             if (refill && threadIdx.x < BLOCK) {  // read after the next iteration's barrier
                 sL[(buf ^ 1) * BLOCK + threadIdx.x] = lse_next * LOG2E;
                 sDl[(buf ^ 1) * BLOCK + threadIdx.x] = delta_next;
