@@ -2993,10 +2993,25 @@ __global__ void sum_kernel(const float* x, int n, float* out, float scale) {
     if (threadIdx.x == 0) *out = s[0] * scale;
 }
 
-// g (bf16) += a (fp32), n values
+// g (bf16) += a (fp32), n values. VEC: 8 a thread a step (16 bytes of g, 32 of a: with a value a
+// thread the loads in flight were too few for the DRAM's rate), for n a multiple of 8 and aligned
+// pointers; else one
+template <bool VEC>
 __global__ void add_kernel(__nv_bfloat16* g, const float* a, int64_t n) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        g[i] = __float2bfloat16(__bfloat162float(g[i]) + a[i]);
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    if (VEC) {
+        for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n / 8; i += stride) {
+            float x[8];
+            tk::load8(g + 8 * i, x);
+            const float4 lo = reinterpret_cast<const float4*>(a)[2 * i], hi = reinterpret_cast<const float4*>(a)[2 * i + 1];
+            x[0] += lo.x, x[1] += lo.y, x[2] += lo.z, x[3] += lo.w;
+            x[4] += hi.x, x[5] += hi.y, x[6] += hi.z, x[7] += hi.w;
+            tk::store8(g + 8 * i, x);
+        }
+    } else {
+        for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += stride)
+            g[i] = __float2bfloat16(__bfloat162float(g[i]) + a[i]);
+    }
 }
 
 // Sets *flag to `tag` (the first time only) when x holds a NaN or an infinity: the model's forward
@@ -3019,7 +3034,9 @@ inline cudaError_t sum_floats(const float* x, int n, float* out, float scale, cu
     return cudaGetLastError();
 }
 inline cudaError_t add_to_bf16(__nv_bfloat16* g, const float* a, int64_t n, cudaStream_t stream) {
-    red::add_kernel<<<tk::grid_stride_blocks(n, 8), 256, 0, stream>>>(g, a, n);
+    if (n % 8 == 0 && reinterpret_cast<uintptr_t>(g) % 16 == 0 && reinterpret_cast<uintptr_t>(a) % 32 == 0)
+        red::add_kernel<true><<<tk::grid_stride_blocks(n / 8, 8), 256, 0, stream>>>(g, a, n);
+    else red::add_kernel<false><<<tk::grid_stride_blocks(n, 8), 256, 0, stream>>>(g, a, n);
     return cudaGetLastError();
 }
 // n: a multiple of 8 (a tail would go unchecked). Any grid sets the same flag (every CTA writes only

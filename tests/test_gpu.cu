@@ -1645,6 +1645,31 @@ static void test_optimizer_step(const std::string& dir) {
           out.c_str());
 }
 
+// add_to_bf16 (the lm_head's fp32 chunk gradient into its bf16 gradient): each value one fp32 add and
+// one rounding, on the vector path (n a multiple of 8, aligned) and the scalar one (else); the
+// values around the range (random, as sentinels) untouched
+static void add_to_bf16_case(int64_t n, int off, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    const int64_t total = n + off + 24;
+    std::vector<uint16_t> g = random_bf16(rng, total, 0.1f);
+    std::vector<float> a(total);
+    for (auto& x : a) x = nd(rng) * 0.01f;
+    DeviceArray<uint16_t> dg(g);
+    DeviceArray<float> da(a);
+    CUDA_CHECK(add_to_bf16(reinterpret_cast<__nv_bfloat16*>(dg.ptr) + off, da.ptr + off, n, 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> got = dg.download();
+    int64_t bad = 0;
+    for (int64_t i = 0; i < total; ++i) {
+        const bool in = i >= off && i < off + n;
+        bad += got[i] != (in ? float_to_bf16(bf16_to_float(g[i]) + a[i]) : g[i]);
+    }
+    printf("  add_to_bf16 n %lld at offset %d: %lld of %lld values differ\n", (long long)n, off, (long long)bad,
+           (long long)total);
+    CHECK(bad == 0, "add_to_bf16 n %lld offset %d: %lld values differ", (long long)n, off, (long long)bad);
+}
+
 static void test_optimizer_kernels() {
     polar_express_case(3, 128, 256, 30);
     polar_express_case(2, 384, 128, 31);
@@ -1653,6 +1678,10 @@ static void test_optimizer_kernels() {
     normuon_step_case(2, 256, 256, 34);
     adam_case<__nv_bfloat16>("bf16", 50304 + 17, 35);
     adam_case<float>("fp32", 37, 36);
+    add_to_bf16_case(50304 * 64, 0, 37);  // vector path
+    add_to_bf16_case(8 * 1001, 8, 38);     // vector path, from an offset
+    add_to_bf16_case(8 * 1001, 1, 39);     // misaligned: scalar path
+    add_to_bf16_case(1001, 0, 40);         // not a multiple of 8: scalar path
 }
 
 static void test_model_kernels() {
