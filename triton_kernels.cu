@@ -292,6 +292,11 @@ __device__ __forceinline__ void load8(const __nv_bfloat16* p, float f[8]) {
         f[2 * k] = t.x, f[2 * k + 1] = t.y;
     }
 }
+// 8 fp32 (two 16-byte accesses; p 16-byte aligned)
+__device__ __forceinline__ void load8(const float* p, float f[8]) {
+    const float4 lo = reinterpret_cast<const float4*>(p)[0], hi = reinterpret_cast<const float4*>(p)[1];
+    f[0] = lo.x, f[1] = lo.y, f[2] = lo.z, f[3] = lo.w, f[4] = hi.x, f[5] = hi.y, f[6] = hi.z, f[7] = hi.w;
+}
 __device__ __forceinline__ void store8(__nv_bfloat16* p, const float f[8]) {
     uint4 u;
     u.x = pack_bf16(f[0], f[1]), u.y = pack_bf16(f[2], f[3]), u.z = pack_bf16(f[4], f[5]), u.w = pack_bf16(f[6], f[7]);
@@ -2897,8 +2902,8 @@ __global__ void scale_weight_bwd_kernel(const float* dwp, const __nv_bfloat16* w
         float f[8], acc[8];
         tk::load8(w + i * 8, f);
         tk::load8(dw + i * 8, acc);
-        const float4 g0 = reinterpret_cast<const float4*>(dwp)[2 * i], g1 = reinterpret_cast<const float4*>(dwp)[2 * i + 1];
-        const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+        float g[8];
+        tk::load8(dwp + i * 8, g);
 #pragma unroll
         for (int e = 0; e < 8; ++e) s += g[e] * f[e], acc[e] += l * g[e];
         tk::store8(dw + i * 8, acc);
@@ -3001,11 +3006,11 @@ __global__ void add_kernel(__nv_bfloat16* g, const float* a, int64_t n) {
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     if (VEC) {
         for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n / 8; i += stride) {
-            float x[8];
+            float x[8], y[8];
             tk::load8(g + 8 * i, x);
-            const float4 lo = reinterpret_cast<const float4*>(a)[2 * i], hi = reinterpret_cast<const float4*>(a)[2 * i + 1];
-            x[0] += lo.x, x[1] += lo.y, x[2] += lo.z, x[3] += lo.w;
-            x[4] += hi.x, x[5] += hi.y, x[6] += hi.z, x[7] += hi.w;
+            tk::load8(a + 8 * i, y);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) x[e] += y[e];
             tk::store8(g + 8 * i, x);
         }
     } else {
