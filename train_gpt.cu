@@ -2043,7 +2043,7 @@ class Model {
         wqkvo_ = bf(NUM_ATTN_LAYERS * 4 * D * D);
         rope_positions_ = 2 * (int)TE;  // the paired-head layers rotate 2 positions per token
         rope_ = alloc<__nv_bfloat162>((int64_t)rope_positions_ * 32);
-        tiles_ = (int4*)alloc<unsigned char>(attention_tiles_bytes(2 * (int)TE, max_cu_len));
+        for (int4*& t : tiles_) t = (int4*)alloc<unsigned char>(attention_tiles_bytes(2 * (int)TE, max_cu_len));
         // the backward's dS^T tiles, for the longest training window in either head layout
         const int64_t longest = std::max(*std::max_element(args.ws_schedule.begin(), args.ws_schedule.end()), args.ws_final);
         max_window_ = (int)(longest * args.block_size);
@@ -2070,6 +2070,9 @@ class Model {
         const float vals[3] = {(float)args.lm_head_x_s, (float)args.lm_head_w_s, (float)args.lm_head_grad_s};
         for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaMemcpy(scales_[i], &vals[i], 4, cudaMemcpyHostToDevice));
         embed_bwd_ = std::make_unique<EmbeddingBackward>(max_tokens);
+        // a backward's scalar sums (the backout, each layer's mixing, each attention layer's two sa
+        // lambdas) and gate sums (each attention layer's output gate and value-embedding gate, skip, smear)
+        CUDA_CHECK(deferred_.allocate(1 + NUM_LAYERS + 2 * NUM_ATTN_LAYERS, NUM_ATTN_LAYERS + NUM_VE_LAYERS + 2));
     }
     Model(const Model&) = delete;
     Model& operator=(const Model&) = delete;
@@ -2082,6 +2085,7 @@ class Model {
             fail(strprintf("forward: %d tokens / %d cu_seqlens exceed %d / %d", T, cu_len, max_t, max_cu));
         if (T % 16) fail(strprintf("forward: %d tokens is not a multiple of 16 (fp8 GEMMs)", T));
         T_ = T, tokens_ = tokens, cu_ = cu, cu_len_ = cu_len, fa_ = fa;
+        for (bool& m : schedule_made_) m = false;  // a new batch: new tile schedules
         const int64_t D = MODEL_DIM, TD = (int64_t)T * D;
         profile_mark(Part::Elementwise, s);
         if (fa.yarn.angular_freq != rope_freq_) {  // a new YaRN state: the rotary table again
@@ -2162,7 +2166,7 @@ class Model {
         // final norm, then the backout: x_back = x_last - lambda x_8in
         CUDA_CHECK(rms_norm_backward(x_back_, D, dxn_head_, D, rstd_f_, dx_, D, T, D, s));
         CUDA_CHECK(combine_backward(dx_, x_last_, backout_source(), dx_, false, dback_, false, TD, {nullptr, 0.f, 1.f},
-                                    {scalars + SCALAR_BACKOUT, -1.f, 0.f}, nullptr, gscalars + SCALAR_BACKOUT, partial_, s));
+                                    {scalars + SCALAR_BACKOUT, -1.f, 0.f}, nullptr, gscalars + SCALAR_BACKOUT, partial_, s, &deferred_));
         for (int i = NUM_LAYERS - 1; i >= 0; --i) {
             Layer& l = layers_[i];
             // dx: the gradient of this layer's output
@@ -2189,12 +2193,12 @@ class Model {
                 rstd = l.rstd_a;
             }
             CUDA_CHECK(norm_mix_backward(dxn_, rstd, dx_, l.x_in, x0_, dx0_, i == NUM_LAYERS - 1, T, {scalars + SCALAR_RESID + i, 1.f, 0.f},
-                                         {x0_lambdas + i, 1.f, 0.f}, gscalars + SCALAR_RESID + i, gx0l + i, partial_, s));
+                                         {x0_lambdas + i, 1.f, 0.f}, gscalars + SCALAR_RESID + i, gx0l + i, partial_, s, &deferred_));
             if (i == SKIP_OUT) {  // skip: x_in += c 2 sigmoid(z(x0)) skip_source; dx passes through
                 gate::Params sk = row_gate(T, x0_, bf(p_["skip_gate"].data), scalars + SCALAR_SKIP);
                 sk.b = skip_source(), sk.dout = dx_, sk.ld_dout = D, sk.db = dskip_, sk.ld_db = D, sk.db_first = true;
                 sk.dz = dz_, sk.dlam_rows = dlam_rows_;
-                CUDA_CHECK(gate_backward(GateKind::Skip, sk, dx0_, D, bf(p_["skip_gate"].grad), gscalars + SCALAR_SKIP, s));
+                CUDA_CHECK(gate_backward(GateKind::Skip, sk, dx0_, D, bf(p_["skip_gate"].grad), gscalars + SCALAR_SKIP, s, &deferred_));
             }
             if (grad_ready_) grad_ready_(ReducePoint::AfterLayer, i, s);  // layer i's bank slices are final
         }
@@ -2206,7 +2210,8 @@ class Model {
         CUDA_CHECK(rms_norm_backward(xs_, D, dx0_, D, rstd0_, dx_, D, T, D, s));
         gate::Params sm = row_gate(T, emb_, bf(p_["smear_gate"].data), scalars + SCALAR_SMEAR);
         sm.a = emb_, sm.dout = dx_, sm.ld_dout = D, sm.da = demb_, sm.ld_da = D, sm.dz = dz_, sm.dlam_rows = dlam_rows_;
-        CUDA_CHECK(gate_backward(GateKind::Smear, sm, demb_, D, bf(p_["smear_gate"].grad), gscalars + SCALAR_SMEAR, s));
+        CUDA_CHECK(gate_backward(GateKind::Smear, sm, demb_, D, bf(p_["smear_gate"].grad), gscalars + SCALAR_SMEAR, s, &deferred_));
+        CUDA_CHECK(deferred_.finish(s));  // the scalar and gate-weight gradients of every pass above
         // embeddings: one sort of the token ids serves the four tables
         profile_mark(Part::EmbedBwd, s);
         CUDA_CHECK(embed_bwd_->sort(tokens_, T, s));
@@ -2290,7 +2295,7 @@ class Model {
         ap.cu_seqlens = cu_, ap.cu_len = cu_len_, ap.cu_mult = paired ? 2 : 1;
         ap.positions = paired ? 2 * T_ : T_, ap.heads = paired ? NUM_HEADS / 2 : NUM_HEADS;
         ap.window = (int)((long_window(i) ? fa_.ws_long : fa_.ws_short) * args_.block_size);
-        ap.scale = (float)fa_.yarn.attn_scale, ap.tiles = tiles_, ap.ds = ds_;
+        ap.scale = (float)fa_.yarn.attn_scale, ap.tiles = tiles_[schedule_slot(i)], ap.ds = ds_;
         ap.dout = dy_, ap.dout_stride = stride, ap.dq = dq_, ap.dk = dk_, ap.dv = value_grad();
         ap.dq_stride = ap.dk_stride = stride, ap.dv_stride = ap.v_stride, ap.delta = delta_;
         return ap;
@@ -2330,7 +2335,9 @@ class Model {
             CUDA_CHECK(gate_forward(GateKind::ValueEmbedding, vg, s));
         }
         profile_mark(Part::AttentionFwd, s);
-        CUDA_CHECK(attention_forward(attn_params(i), s));
+        bool& made = schedule_made_[schedule_slot(i)];
+        CUDA_CHECK(attention_forward(attn_params(i), s, !made));
+        made = true;
         profile_mark(Part::Elementwise, s);
         gate::Params og = head_gate(i, attn_gate_w(i));
         og.a = l.y, og.out = l.yg;
@@ -2351,19 +2358,18 @@ class Model {
         gemms_.bf16(s, Op::N, Op::N, T, D, D, dx_, D, wo, D, dyg_, D, false);
         gemms_.bf16(s, Op::T, Op::N, D, D, T, dx_, D, l.yg, D, dw_, D, true);
         CUDA_CHECK(scale_weight_backward(dw_, attn_w(i) + 3 * D * D, attn_grad(i) + 3 * D * D, D * D,
-                                         scalars + SCALAR_SA + 2 * i + 1, gscalars + SCALAR_SA + 2 * i + 1, partial_, s));
+                                         scalars + SCALAR_SA + 2 * i + 1, gscalars + SCALAR_SA + 2 * i + 1, partial_, s, &deferred_));
         // output gate: dy (its input gradient joins dxn after the QKV backward: dz kept till then)
         gate::Params og = head_gate(i, attn_gate_w(i));
         og.a = l.y, og.dout = dyg_, og.da = dy_, og.dz = dz_;
         og.delta = delta_, og.delta_split = paired_head(i) ? 2 : 1;  // attention's delta, in the same pass
-        CUDA_CHECK(gate_backward(GateKind::Output, og, nullptr, 0, attn_gate_grad(i), nullptr, s));
-        // attention (its tile schedule was overwritten by later layers: remake it)
+        CUDA_CHECK(gate_backward(GateKind::Output, og, nullptr, 0, attn_gate_grad(i), nullptr, s, &deferred_));
+        // attention (its tile schedule as the forward made it)
         attn::Params ap = attn_params(i);
         if (attention_ds_bytes(ap.positions, ap.cu_len, ap.heads, ap.window) > ds_bytes_)
             fail(strprintf("attention backward: window %d exceeds the %d the dS workspace was sized for", ap.window,
                            max_window_));
         profile_mark(Part::AttentionBwd, s);
-        CUDA_CHECK(attention_schedule(ap, s));
         CUDA_CHECK(attention_backward(ap, s, true));
         profile_mark(Part::Elementwise, s);
         // value-embedding gate: v passes through; dve (its input gradient too joins dxn later)
@@ -2374,7 +2380,7 @@ class Model {
             vg.b = ve_[k], vg.dout = dv, vg.ld_dout = VALUE_LD, vg.db = dve_[k], vg.db_first = !dve_written_[k];
             vg.dz = dz_ve_;
             dve_written_[k] = true;
-            CUDA_CHECK(gate_backward(GateKind::ValueEmbedding, vg, nullptr, 0, ve_gate_grad(i), nullptr, s));
+            CUDA_CHECK(gate_backward(GateKind::ValueEmbedding, vg, nullptr, 0, ve_gate_grad(i), nullptr, s, &deferred_));
         }
         // dqkv: q, k through the rope and the QK norm (attention wrote dv in place)
         CUDA_CHECK(qk_norm_rope_backward(rope_params(i), s));
@@ -2385,7 +2391,7 @@ class Model {
         if (has_value_embed(i)) CUDA_CHECK(gate_input_grad(vg, dxn_, D, s));
         gemms_.bf16(s, Op::T, Op::N, 3 * D, D, T, dqkv_, 3 * D, l.xn_a, D, dw_, D, true);
         CUDA_CHECK(scale_weight_backward(dw_, attn_w(i), attn_grad(i), 3 * D * D, scalars + SCALAR_SA + 2 * i,
-                                         gscalars + SCALAR_SA + 2 * i, partial_, s));
+                                         gscalars + SCALAR_SA + 2 * i, partial_, s, &deferred_));
     }
 
     // lm_head (fp8 in training, @YouJiacheng; transposed weight, @ChrisJMcCormick) on norm(x) in
@@ -2468,7 +2474,12 @@ class Model {
     std::vector<float> rope_freq_;
     float *rstd0_, *rstd_f_, *losses_, *lse_, *loss_, *lm_grad_, *scales_[3];  // x_s, w_s, grad_s
     int* bad_;  // the first layer whose output was not finite, or -1
-    int4* tiles_;
+    // attention's tile schedules, one per head layout and window (schedule_slot): the forward makes
+    // each where a layer first needs it, the backward reuses them
+    static constexpr int SCHEDULES = 4;
+    int4* tiles_[SCHEDULES];
+    bool schedule_made_[SCHEDULES] = {};
+    static int schedule_slot(int i) { return (paired_head(i) ? 2 : 0) + (long_window(i) ? 1 : 0); }
     __nv_bfloat16* ds_;  // attention's dS^T tiles (backward)
     size_t ds_bytes_ = 0;
     int max_window_ = 0;
@@ -2478,6 +2489,7 @@ class Model {
     float *dw_, *delta_, *dz_, *dz_ve_, *dlam_rows_, *partial_, *gate_partial_;
     bool dve_written_[NUM_VALUE_EMBEDS] = {};  // the backward so far wrote dve_[k]
     std::unique_ptr<EmbeddingBackward> embed_bwd_;
+    DeferredSums deferred_;  // the backward's scalar and gate-weight sums, added at its end
     std::function<void(ReducePoint, int, cudaStream_t)> grad_ready_;
 };
 

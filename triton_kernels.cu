@@ -1002,7 +1002,6 @@ inline cudaError_t attention_schedule(const attn::Params& p, cudaStream_t stream
     return cudaGetLastError();
 }
 
-// Forward: out and lse from q, k, v; writes the tile schedule to p.tiles. Returns the launch error.
 // A TMA map of a (positions, heads x 128) operand whose positions lie `stride` elements apart (q, k,
 // dout); false where TMA cannot take it (a pointer or stride not 16-byte aligned)
 inline bool attention_rows_map(CUtensorMap* map, const attn::Params& p, const __nv_bfloat16* ptr, int64_t stride) {
@@ -1022,12 +1021,16 @@ inline cudaError_t attention_maps(const attn::Params& p, attn::FwdMaps& m) {
     return cudaSuccess;
 }
 
-inline cudaError_t attention_forward(const attn::Params& p, cudaStream_t stream) {
+// Forward: out and lse from q, k, v; writes the tile schedule to p.tiles. Returns the launch error.
+// make_schedule false: p.tiles already holds the schedule of these cu_seqlens, layout and window
+// (an earlier layer's forward made it).
+inline cudaError_t attention_forward(const attn::Params& p, cudaStream_t stream, bool make_schedule = true) {
     static bool configured = false;
     if (cudaError_t e = tk::allow_smem(attn::attn_fwd_kernel, attn::FWD_SMEM, configured)) return e;
     attn::FwdMaps maps;
     if (cudaError_t e = attention_maps(p, maps)) return e;
-    if (cudaError_t e = attention_schedule(p, stream)) return e;
+    if (make_schedule)
+        if (cudaError_t e = attention_schedule(p, stream)) return e;
     attn::attn_fwd_kernel<<<dim3(attn::max_tiles(p.positions, p.cu_len), p.heads), attn::THREADS, attn::FWD_SMEM, stream>>>(
         p, maps);
     return cudaGetLastError();
@@ -2252,51 +2255,25 @@ struct Tables {
     int64_t ld;
 };
 
-// One warp per (run of equal ids in sorted order, 128-column slice): only the warp at a run's first
-// index works. Each lane sums 4 columns of every table over the run in position order, in fp32,
-// then adds the sums to the tables' gradient rows. Long runs (a comma is ~5% of English text) are
-// bound by memory latency, not bandwidth: ROWS rows of every table are loaded before any is added,
-// so ROWS x NT independent loads are in flight; the additions keep the run's order, so the bits do
-// not depend on ROWS, NT or the slicing (the same sums as one table at a time, row after row).
-constexpr int SLICE = 128, SLICES = DIM / SLICE;
+// The sorted ids in windows of W rows; one warp per (window, 128-column slice). A warp walks its
+// window's runs of equal ids (segments): each lane sums 4 columns of every table over a segment in
+// position order, in fp32. A run inside the window goes straight into the tables' gradient rows; the
+// piece of a run that crosses the window's edge goes to the window's slot in a workspace (its first
+// segment, if the run began before the window, to slot 0; its last, if the run goes on after it,
+// to slot 1), and window_sums_kernel adds a crossing run's pieces in window order. Long runs (a
+// comma is ~5% of English text, ~2,500 rows of a 49k-token micro-batch) thus spread over many warps
+// where one warp walking the whole run was bound by memory latency. ROWS rows of every table are
+// loaded before any is added, so ROWS x NT independent loads are in flight; the additions keep the
+// order of positions, so the bits depend on neither ROWS, NT nor the slicing (the same sums as one
+// table at a time).
+constexpr int SLICE = 128, SLICES = DIM / SLICE, W = 64;
+// the workspace: per window, 2 slots of MAX_TABLES x DIM floats
+__host__ __device__ inline size_t window_slot(int window, int slot, int k) {
+    return (((size_t)window * 2 + slot) * MAX_TABLES + k) * DIM;
+}
+
 template <int NT>
-__global__ void __launch_bounds__(256) scatter_add_kernel(const int* sorted_ids, const int* sorted_pos, int tokens,
-                                                          Tables t) {
-    constexpr int ROWS = 64 / NT;
-    const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
-    const int i = warp / SLICES, col = (warp % SLICES) * SLICE + lane * 4;
-    if (i >= tokens || (i > 0 && sorted_ids[i - 1] == sorted_ids[i])) return;
-    const int id = sorted_ids[i];
-    int end = tokens;  // the run is [i, end): 32 ids compared at a time
-    for (int e = i + 1; e < tokens; e += 32) {
-        const int j = e + lane;
-        const unsigned other = __ballot_sync(0xffffffffu, j < tokens && sorted_ids[j] != id);
-        if (other) {
-            end = e + __ffs(other) - 1;
-            break;
-        }
-    }
-    float acc[NT][4] = {};
-    for (int j0 = i; j0 < end; j0 += ROWS) {
-        uint2 v[ROWS][NT];
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r)
-            if (j0 + r < end) {
-                const int64_t off = (int64_t)sorted_pos[j0 + r] * t.ld + col;
-#pragma unroll
-                for (int k = 0; k < NT; ++k) v[r][k] = *reinterpret_cast<const uint2*>(t.grad[k] + off);
-            }
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r)
-            if (j0 + r < end) {
-#pragma unroll
-                for (int k = 0; k < NT; ++k) {
-                    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[r][k]);
-                    const float2 lo = __bfloat1622float2(h[0]), hi = __bfloat1622float2(h[1]);
-                    acc[k][0] += lo.x, acc[k][1] += lo.y, acc[k][2] += hi.x, acc[k][3] += hi.y;
-                }
-            }
-    }
+__device__ __forceinline__ void add_to_rows(const Tables& t, int id, int col, const float (&acc)[NT][4]) {
 #pragma unroll
     for (int k = 0; k < NT; ++k) {
         uint2* dst = reinterpret_cast<uint2*>(t.table_grad[k] + (int64_t)id * DIM + col);
@@ -2307,6 +2284,92 @@ __global__ void __launch_bounds__(256) scatter_add_kernel(const int* sorted_ids,
         u.y = tk::pack_bf16(hi.x + acc[k][2], hi.y + acc[k][3]);
         *dst = u;
     }
+}
+
+template <int NT>
+__global__ void __launch_bounds__(256) scatter_add_kernel(const int* sorted_ids, const int* sorted_pos, int tokens,
+                                                          Tables t, float* ws) {
+    constexpr int ROWS = 64 / NT;
+    const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int q = warp / SLICES, col = (warp % SLICES) * SLICE + lane * 4;
+    const int i0 = q * W, i1 = min(tokens, i0 + W);
+    if (i0 >= tokens) return;
+    // the window's ids in two registers a lane, and the segments' first rows as a bit mask
+    const int a0 = i0 + lane, a1 = i0 + 32 + lane;
+    const int id0 = a0 < i1 ? sorted_ids[a0] : -1, id1 = a1 < i1 ? sorted_ids[a1] : -1;
+    int up0 = __shfl_up_sync(0xffffffffu, id0, 1), up1 = __shfl_up_sync(0xffffffffu, id1, 1);
+    const int last0 = __shfl_sync(0xffffffffu, id0, 31);
+    if (lane == 0) up1 = last0;
+    const uint64_t firsts = (uint64_t)__ballot_sync(0xffffffffu, a0 < i1 && (lane == 0 || id0 != up0)) |
+                            (uint64_t)__ballot_sync(0xffffffffu, a1 < i1 && id1 != up1) << 32;
+    const int before = i0 > 0 ? sorted_ids[i0 - 1] : -1, after = i1 < tokens ? sorted_ids[i1] : -1;
+    const int n = i1 - i0;
+    for (int r = 0; r < n;) {
+        const uint64_t later = r + 1 < 64 ? firsts >> (r + 1) : 0;
+        const int e = later ? r + 1 + __ffsll((long long)later) - 1 : n;  // the segment is rows [r, e)
+        const int id = r < 32 ? __shfl_sync(0xffffffffu, id0, r) : __shfl_sync(0xffffffffu, id1, r - 32);
+        float acc[NT][4] = {};
+        for (int j0 = i0 + r; j0 < i0 + e; j0 += ROWS) {
+            uint2 v[ROWS][NT];
+#pragma unroll
+            for (int rr = 0; rr < ROWS; ++rr)
+                if (j0 + rr < i0 + e) {
+                    const int64_t off = (int64_t)sorted_pos[j0 + rr] * t.ld + col;
+#pragma unroll
+                    for (int k = 0; k < NT; ++k) v[rr][k] = *reinterpret_cast<const uint2*>(t.grad[k] + off);
+                }
+#pragma unroll
+            for (int rr = 0; rr < ROWS; ++rr)
+                if (j0 + rr < i0 + e) {
+#pragma unroll
+                    for (int k = 0; k < NT; ++k) {
+                        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[rr][k]);
+                        const float2 lo = __bfloat1622float2(h[0]), hi = __bfloat1622float2(h[1]);
+                        acc[k][0] += lo.x, acc[k][1] += lo.y, acc[k][2] += hi.x, acc[k][3] += hi.y;
+                    }
+                }
+        }
+        const bool begun = r == 0 && before == id, goes_on = e == n && after == id;
+        if (!begun && !goes_on) {
+            add_to_rows<NT>(t, id, col, acc);
+        } else {  // a piece of a crossing run
+#pragma unroll
+            for (int k = 0; k < NT; ++k)
+                *reinterpret_cast<float4*>(ws + window_slot(q, begun ? 0 : 1, k) + col) =
+                    make_float4(acc[k][0], acc[k][1], acc[k][2], acc[k][3]);
+        }
+        r = e;
+    }
+}
+
+// A run crossing window edges, from the window where it begins (its piece in slot 1) through every
+// window it reaches (their slot 0), added in window order, then into the tables' gradient rows.
+// One warp per (window, slice); only warps at a crossing run's first window work.
+template <int NT>
+__global__ void __launch_bounds__(256) window_sums_kernel(const int* sorted_ids, int tokens, Tables t, const float* ws) {
+    const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int q = warp / SLICES, col = (warp % SLICES) * SLICE + lane * 4;
+    const int i0 = q * W, i1 = i0 + W;
+    if (i1 >= tokens) return;  // no run goes on past the last window
+    const int id = sorted_ids[i1 - 1];
+    if (sorted_ids[i1] != id) return;                      // the window's last run ends in it
+    if (sorted_ids[i0] == id && i0 > 0 && sorted_ids[i0 - 1] == id) return;  // it began in an earlier window
+    float acc[NT][4];
+#pragma unroll
+    for (int k = 0; k < NT; ++k) {
+        const float4 a = *reinterpret_cast<const float4*>(ws + window_slot(q, 1, k) + col);
+        acc[k][0] = a.x, acc[k][1] = a.y, acc[k][2] = a.z, acc[k][3] = a.w;
+    }
+    for (int w = q + 1;; ++w) {
+#pragma unroll
+        for (int k = 0; k < NT; ++k) {
+            const float4 a = *reinterpret_cast<const float4*>(ws + window_slot(w, 0, k) + col);
+            acc[k][0] += a.x, acc[k][1] += a.y, acc[k][2] += a.z, acc[k][3] += a.w;
+        }
+        const int end = (w + 1) * W;
+        if (end >= tokens || sorted_ids[end] != id) break;  // the run ends in window w
+    }
+    add_to_rows<NT>(t, id, col, acc);
 }
 
 }  // namespace embed
@@ -2331,14 +2394,17 @@ class EmbeddingBackward {
         if (e != cudaSuccess) temp_ = nullptr;
         pos_ = reinterpret_cast<int*>(static_cast<char*>(temp_) + temp_bytes_);
         sorted_ids_ = pos_ + max_tokens, sorted_pos_ = pos_ + 2 * max_tokens;
+        // crossing runs' pieces: 2 slots a window
+        if (cudaMalloc(&ws_, embed::window_slot((max_tokens + embed::W - 1) / embed::W, 0, 0) * sizeof(float)) != cudaSuccess)
+            ws_ = nullptr;
     }
-    ~EmbeddingBackward() { cudaFree(temp_); }
+    ~EmbeddingBackward() { cudaFree(temp_), cudaFree(ws_); }
     EmbeddingBackward(const EmbeddingBackward&) = delete;
     EmbeddingBackward& operator=(const EmbeddingBackward&) = delete;
 
     // ids < 65536 (the padded vocabulary is 50304)
     cudaError_t sort(const int* ids, int tokens, cudaStream_t stream) {
-        if (!temp_) return cudaErrorMemoryAllocation;
+        if (!temp_ || !ws_) return cudaErrorMemoryAllocation;
         if (tokens > max_tokens_) return cudaErrorInvalidValue;
         tokens_ = tokens;
         embed::positions_kernel<<<(tokens + 255) / 256, 256, 0, stream>>>(pos_, tokens);
@@ -2354,13 +2420,14 @@ class EmbeddingBackward {
         embed::Tables t{};
         for (int k = 0; k < count; ++k) t.grad[k] = grads[k], t.table_grad[k] = table_grads[k];
         t.count = count, t.ld = ld;
-        const unsigned blocks = (unsigned)(((int64_t)tokens_ * embed::SLICES + 7) / 8);
+        const int windows = (tokens_ + embed::W - 1) / embed::W;
+        const unsigned blocks = (unsigned)(((int64_t)windows * embed::SLICES + 7) / 8);
         // one instance per table count: the loads in flight fill a fixed register budget
         switch (count) {
-            case 1: embed::scatter_add_kernel<1><<<blocks, 256, 0, stream>>>(sorted_ids_, sorted_pos_, tokens_, t); break;
-            case 2: embed::scatter_add_kernel<2><<<blocks, 256, 0, stream>>>(sorted_ids_, sorted_pos_, tokens_, t); break;
-            case 3: embed::scatter_add_kernel<3><<<blocks, 256, 0, stream>>>(sorted_ids_, sorted_pos_, tokens_, t); break;
-            default: embed::scatter_add_kernel<4><<<blocks, 256, 0, stream>>>(sorted_ids_, sorted_pos_, tokens_, t); break;
+            case 1: launch<1>(blocks, t, stream); break;
+            case 2: launch<2>(blocks, t, stream); break;
+            case 3: launch<3>(blocks, t, stream); break;
+            default: launch<4>(blocks, t, stream); break;
         }
         return cudaGetLastError();
     }
@@ -2369,9 +2436,15 @@ class EmbeddingBackward {
     }
 
    private:
+    template <int NT>
+    void launch(unsigned blocks, const embed::Tables& t, cudaStream_t stream) {
+        embed::scatter_add_kernel<NT><<<blocks, 256, 0, stream>>>(sorted_ids_, sorted_pos_, tokens_, t, ws_);
+        embed::window_sums_kernel<NT><<<blocks, 256, 0, stream>>>(sorted_ids_, tokens_, t, ws_);
+    }
     int max_tokens_, tokens_ = 0;
     size_t temp_bytes_ = 0;
     void* temp_ = nullptr;
+    float* ws_ = nullptr;
     int *pos_ = nullptr, *sorted_ids_ = nullptr, *sorted_pos_ = nullptr;
 };
 
@@ -2665,6 +2738,102 @@ __global__ void gate_weight_finish_kernel(const Params p, bool with_lambda, __nv
 
 }  // namespace gate
 
+// -----------------------------------------------------------------------------
+// The scalar and gate-weight gradients' last step, deferred: combine_backward, norm_mix_backward,
+// scale_weight_backward and gate_backward each end with a one-block kernel that adds their
+// per-block partial sums into the gradient. Given a DeferredSums, they leave the partial sums in a
+// slot of its own and record the target instead; finish() then does every recorded addition in
+// one launch, a CTA each, with the same arithmetic (the same bits). A backward pass has about 50
+// of them, each a launch and a gap between kernels. Every target of one finish() is distinct.
+
+namespace scal {
+constexpr int DOT_BLOCKS = 264;  // the scalar passes' blocks (below): each sums a fixed slice of the values
+}  // namespace scal
+
+namespace defer {
+
+constexpr int MAX_SUMS = 64;
+constexpr int SCAL_FLOATS = 2 * scal::DOT_BLOCKS, GATE_FLOATS = gate::WG_BLOCKS * gate::WG_OUT;
+struct Sum {
+    const float* partial;
+    float* g0;  // scalar sums: *g0 += s0 * sum(partial[0, DOT_BLOCKS)), *g1 likewise from the next DOT_BLOCKS
+    float* g1;
+    __nv_bfloat16* dw;  // gate sums: dw[o] += ..., *g0 (dlambda) += ... for o < n_out (gate_weight_finish's)
+    float s0, s1;
+    int n_out;  // 0: a scalar sum
+    int heads;
+};
+struct Sums {
+    Sum s[MAX_SUMS];
+    int count;
+};
+
+__global__ void finish_kernel(const Sums sums) {
+    const Sum& d = sums.s[blockIdx.x];
+    if (d.n_out == 0) {  // scal::finish_kernel's
+        const int k = threadIdx.x / 32, lane = threadIdx.x & 31;
+        if (k > 1) return;
+        float* g = k == 0 ? d.g0 : d.g1;
+        if (!g) return;
+        float t = 0.f;
+        for (int i = lane; i < scal::DOT_BLOCKS; i += 32) t += d.partial[k * scal::DOT_BLOCKS + i];
+        t = tk::warp_sum(t);
+        if (lane == 0) *g += t * (k == 0 ? d.s0 : d.s1);
+    } else {  // gate::gate_weight_finish_kernel's
+        const int o = threadIdx.x;
+        if (o >= d.n_out) return;
+        float t = 0.f;
+        for (int b = 0; b < gate::WG_BLOCKS; ++b) t += d.partial[b * gate::WG_OUT + o];
+        if (o == d.heads * gate::GW) *d.g0 += t;
+        else d.dw[o] = __float2bfloat16(__bfloat162float(d.dw[o]) + t);
+    }
+}
+
+}  // namespace defer
+
+class DeferredSums {
+   public:
+    DeferredSums() = default;
+    DeferredSums(const DeferredSums&) = delete;
+    DeferredSums& operator=(const DeferredSums&) = delete;
+    ~DeferredSums() { cudaFree(scal_); }
+    // room for `scal_slots` scalar sums and `gate_slots` gate sums between two finish() calls
+    cudaError_t allocate(int scal_slots, int gate_slots) {
+        if (scal_slots + gate_slots > defer::MAX_SUMS) return cudaErrorInvalidValue;
+        const size_t floats = (size_t)scal_slots * defer::SCAL_FLOATS + (size_t)gate_slots * defer::GATE_FLOATS;
+        if (cudaError_t e = cudaMalloc(&scal_, floats * sizeof(float))) return e;
+        gate_ = scal_ + (size_t)scal_slots * defer::SCAL_FLOATS;
+        scal_slots_ = scal_slots, gate_slots_ = gate_slots;
+        return cudaSuccess;
+    }
+    // the partial-sum workspace of a scalar sum (*g0 += s0 * .., *g1 += s1 * ..; null: none), or null
+    // when the slots are used up
+    float* scalar(float* g0, float s0, float* g1, float s1) {
+        if (n_scal_ >= scal_slots_ || sums_.count >= defer::MAX_SUMS) return nullptr;
+        float* partial = scal_ + (size_t)n_scal_++ * defer::SCAL_FLOATS;
+        sums_.s[sums_.count++] = {partial, g0, g1, nullptr, s0, s1, 0, 0};
+        return partial;
+    }
+    // the same for a gate's weight (dw: heads x 12) and, with_lambda, its scalar (*dlambda)
+    float* gate_weights(int heads, bool with_lambda, __nv_bfloat16* dw, float* dlambda) {
+        if (n_gate_ >= gate_slots_ || sums_.count >= defer::MAX_SUMS) return nullptr;
+        float* partial = gate_ + (size_t)n_gate_++ * defer::GATE_FLOATS;
+        sums_.s[sums_.count++] = {partial, dlambda, nullptr, dw, 0.f, 0.f, heads * gate::GW + (with_lambda ? 1 : 0), heads};
+        return partial;
+    }
+    // every recorded sum, then the slots are free again
+    cudaError_t finish(cudaStream_t stream) {
+        if (sums_.count > 0) defer::finish_kernel<<<sums_.count, 128, 0, stream>>>(sums_);
+        sums_.count = 0, n_scal_ = n_gate_ = 0;
+        return cudaGetLastError();
+    }
+
+   private:
+    float *scal_ = nullptr, *gate_ = nullptr;
+    int scal_slots_ = 0, gate_slots_ = 0, n_scal_ = 0, n_gate_ = 0;
+    defer::Sums sums_{};
+};
+
 enum class GateKind { ValueEmbedding, Output, Smear, Skip };
 
 // the head gates' vector loads: 16-byte aligned rows of a (b, out), 8-byte aligned gate inputs and
@@ -2703,8 +2872,8 @@ inline cudaError_t gate_input_grad(const gate::Params& p, __nv_bfloat16* dx, int
 // later with gate_input_grad, p.dz kept till then), then dw and dlambda (smear, skip) reduced over
 // the tokens. p.dz and p.dlam_rows are workspaces of tokens x heads floats, p.partial one of
 // gate::WG_BLOCKS * gate::WG_OUT floats.
-inline cudaError_t gate_backward(GateKind kind, const gate::Params& p, __nv_bfloat16* dx, int64_t ld_dx,
-                                 __nv_bfloat16* dw, float* dlambda, cudaStream_t stream) {
+inline cudaError_t gate_backward(GateKind kind, gate::Params p, __nv_bfloat16* dx, int64_t ld_dx, __nv_bfloat16* dw,
+                                 float* dlambda, cudaStream_t stream, DeferredSums* deferred = nullptr) {
     const bool per_head = kind == GateKind::ValueEmbedding || kind == GateKind::Output;
     if (per_head && !head_gate_shapes_ok(p, kind == GateKind::ValueEmbedding, true)) return cudaErrorInvalidValue;
     const int64_t warps = per_head ? ((int64_t)p.tokens * p.heads + 1) / 2 : p.tokens;
@@ -2718,8 +2887,9 @@ inline cudaError_t gate_backward(GateKind kind, const gate::Params& p, __nv_bflo
     if (dx)
         if (cudaError_t e = gate_input_grad(p, dx, ld_dx, stream)) return e;
     if (p.heads > gate::MAX_HEADS) return cudaErrorInvalidValue;
+    if (deferred && !(p.partial = deferred->gate_weights(p.heads, !per_head, dw, dlambda))) return cudaErrorInvalidValue;
     gate::gate_weight_partial_kernel<<<gate::WG_BLOCKS, 256, 0, stream>>>(p, !per_head);
-    gate::gate_weight_finish_kernel<<<1, 128, 0, stream>>>(p, !per_head, dw, dlambda);
+    if (!deferred) gate::gate_weight_finish_kernel<<<1, 128, 0, stream>>>(p, !per_head, dw, dlambda);
     return cudaGetLastError();
 }
 
@@ -2734,8 +2904,6 @@ inline cudaError_t gate_backward(GateKind kind, const gate::Params& p, __nv_bflo
 // DOT_BLOCKS blocks sums a fixed slice, then one block adds the partials in order.
 
 namespace scal {
-
-constexpr int DOT_BLOCKS = 264;
 
 struct Coef {
     const float* ptr;  // null: the constant alone
@@ -2939,11 +3107,13 @@ inline cudaError_t combine_norm(__nv_bfloat16* out, const __nv_bfloat16* x, cons
 // not needed). partial: 2 x DOT_BLOCKS floats of workspace.
 inline cudaError_t combine_backward(const __nv_bfloat16* dout, const __nv_bfloat16* x, const __nv_bfloat16* y,
                                     __nv_bfloat16* dx, bool dx_accumulate, __nv_bfloat16* dy, bool dy_accumulate, int64_t n,
-                                    scal::Coef ca, scal::Coef cb, float* ga, float* gb, float* partial, cudaStream_t stream) {
+                                    scal::Coef ca, scal::Coef cb, float* ga, float* gb, float* partial, cudaStream_t stream,
+                                    DeferredSums* deferred = nullptr) {
     if (n % 8) return cudaErrorInvalidValue;
+    if (deferred && !(partial = deferred->scalar(ga, ca.scale, gb, cb.scale))) return cudaErrorInvalidValue;
     scal::combine_bwd_kernel<<<scal::DOT_BLOCKS, 256, 0, stream>>>(dout, x, y, dx, dx_accumulate, dy, dy_accumulate, n / 8, ca,
                                                                    cb, partial);
-    scal::finish_kernel<<<1, 64, 0, stream>>>(partial, ga, ca.scale, gb, cb.scale);
+    if (!deferred) scal::finish_kernel<<<1, 64, 0, stream>>>(partial, ga, ca.scale, gb, cb.scale);
     return cudaGetLastError();
 }
 // rms_norm_backward(xm, dxn, rstd -> dx, accumulate) then combine_backward(dx, x, y -> dx, dy, ca, cb,
@@ -2952,13 +3122,15 @@ inline cudaError_t combine_backward(const __nv_bfloat16* dout, const __nv_bfloat
 // term), else dy += cb dm.
 inline cudaError_t norm_mix_backward(const __nv_bfloat16* dxn, const float* rstd, __nv_bfloat16* dx, const __nv_bfloat16* x,
                                      const __nv_bfloat16* y, __nv_bfloat16* dy, bool dy_first, int rows, scal::Coef ca,
-                                     scal::Coef cb, float* ga, float* gb, float* partial, cudaStream_t stream) {
+                                     scal::Coef cb, float* ga, float* gb, float* partial, cudaStream_t stream,
+                                     DeferredSums* deferred = nullptr) {
     if (rows <= 0) return cudaSuccess;
+    if (deferred && !(partial = deferred->scalar(ga, ca.scale, gb, cb.scale))) return cudaErrorInvalidValue;
     if (dy_first)
         scal::norm_mix_bwd_kernel<true><<<scal::DOT_BLOCKS, 256, 0, stream>>>(dxn, rstd, dx, x, y, dy, rows, ca, cb, partial);
     else
         scal::norm_mix_bwd_kernel<false><<<scal::DOT_BLOCKS, 256, 0, stream>>>(dxn, rstd, dx, x, y, dy, rows, ca, cb, partial);
-    scal::finish_kernel<<<1, 64, 0, stream>>>(partial, ga, ca.scale, gb, cb.scale);
+    if (!deferred) scal::finish_kernel<<<1, 64, 0, stream>>>(partial, ga, ca.scale, gb, cb.scale);
     return cudaGetLastError();
 }
 inline cudaError_t scale_weight(__nv_bfloat16* out, const __nv_bfloat16* w, int64_t n, const float* lambda,
@@ -2969,10 +3141,12 @@ inline cudaError_t scale_weight(__nv_bfloat16* out, const __nv_bfloat16* w, int6
 }
 // dW += lambda dW' and *glambda += sum(dW' W), given dW' (fp32) of the scaled weight W' = lambda W
 inline cudaError_t scale_weight_backward(const float* dwp, const __nv_bfloat16* w, __nv_bfloat16* dw, int64_t n,
-                                         const float* lambda, float* glambda, float* partial, cudaStream_t stream) {
+                                         const float* lambda, float* glambda, float* partial, cudaStream_t stream,
+                                         DeferredSums* deferred = nullptr) {
     if (n % 8) return cudaErrorInvalidValue;
+    if (deferred && !(partial = deferred->scalar(glambda, 1.f, nullptr, 0.f))) return cudaErrorInvalidValue;
     scal::scale_weight_bwd_kernel<<<scal::DOT_BLOCKS, 256, 0, stream>>>(dwp, w, dw, n / 8, lambda, partial);
-    scal::finish_kernel<<<1, 32, 0, stream>>>(partial, glambda, 1.f, nullptr, 0.f);
+    if (!deferred) scal::finish_kernel<<<1, 32, 0, stream>>>(partial, glambda, 1.f, nullptr, 0.f);
     return cudaGetLastError();
 }
 

@@ -119,13 +119,72 @@ static void profile_once(int T, int ws_short, int ws_long) {
     DeviceBatch b(T, rng);
     ForwardArgs fa = bench_forward_args(args);
     fa.ws_short = ws_short, fa.ws_long = ws_long;
-    for (int i = 0; i < 2; ++i) {  // the second pass alone is profiled
-        if (i == 1) CUDA_CHECK(cudaProfilerStart());
+    // the first pass tunes the GEMMs; the second is timed (the kernels' sum under ncu against this
+    // tells the time between kernels); the third alone is profiled
+    for (int i = 0; i < 3; ++i) {
+        if (i == 2) CUDA_CHECK(cudaProfilerStart());
+        const auto t0 = std::chrono::steady_clock::now();
         model.forward(b.tokens, b.cu, b.cu_len, T, fa, 0);
         model.backward(0);
         CUDA_CHECK(cudaDeviceSynchronize());
+        if (i == 1)
+            printf("forward + backward of %d tokens (windows %d / %d blocks): %.3f ms\n", T, ws_short, ws_long,
+                   std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     }
     CUDA_CHECK(cudaProfilerStop());
+}
+
+// The backward of one micro-batch launched kernel by kernel on a stream, and the same captured as one
+// CUDA graph: the difference is the time the launches leave between kernels.
+static void graph_probe(int T, int ws_short, int ws_long) {
+    Hyperparameters args;
+    Gemms gemms;
+    ParamStore params(1, 0);
+    Model model(params, gemms, args, T, 0, 512);
+    std::mt19937_64 rng(7);
+    DeviceBatch b(T, rng);
+    ForwardArgs fa = bench_forward_args(args);
+    fa.ws_short = ws_short, fa.ws_long = ws_long;
+    cudaStream_t s;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    for (int i = 0; i < 2; ++i) model.forward(b.tokens, b.cu, b.cu_len, T, fa, s), model.backward(s);  // tunes
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    cudaEvent_t e0, e1;
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    auto timed = [&](const std::function<void()>& bwd) {
+        std::vector<float> ts;
+        for (int i = 0; i < 7; ++i) {
+            model.forward(b.tokens, b.cu, b.cu_len, T, fa, s);
+            CUDA_CHECK(cudaStreamSynchronize(s));
+            CUDA_CHECK(cudaEventRecord(e0, s));
+            bwd();
+            CUDA_CHECK(cudaEventRecord(e1, s));
+            CUDA_CHECK(cudaEventSynchronize(e1));
+            float ms;
+            CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+            ts.push_back(ms);
+        }
+        std::sort(ts.begin(), ts.end());
+        return ts[ts.size() / 2];
+    };
+    const float t_stream = timed([&] { model.backward(s); });
+    model.forward(b.tokens, b.cu, b.cu_len, T, fa, s);
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    cudaGraph_t g;
+    CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    model.backward(s);
+    CUDA_CHECK(cudaStreamEndCapture(s, &g));
+    size_t nodes = 0;
+    CUDA_CHECK(cudaGraphGetNodes(g, nullptr, &nodes));
+    cudaGraphExec_t ge;
+    CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+    const float t_graph = timed([&] { CUDA_CHECK(cudaGraphLaunch(ge, s)); });
+    printf("backward of %d tokens (windows %d / %d blocks): stream %.3f ms, one graph of %zu nodes %.3f ms\n", T,
+           ws_short, ws_long, t_stream, nodes, t_graph);
+    CUDA_CHECK(cudaGraphExecDestroy(ge));
+    CUDA_CHECK(cudaGraphDestroy(g));
+    CUDA_CHECK(cudaStreamDestroy(s));
 }
 
 // A whole optimizer step over the record-61 parameters: a NorMuon-only step and an Adam step, at
@@ -165,6 +224,10 @@ int main(int argc, char** argv) {
     int ngpu = 0;
     if (cudaGetDeviceCount(&ngpu) != cudaSuccess || ngpu == 0) {
         printf("SKIP: no CUDA GPU here; the GPU benchmarks need one\n");
+        return 0;
+    }
+    if ((argc == 3 || argc == 5) && std::string(argv[1]) == "--graph-probe") {  // T [ws_short ws_long]
+        graph_probe(atoi(argv[2]), argc == 5 ? atoi(argv[3]) : 1, argc == 5 ? atoi(argv[4]) : 3);
         return 0;
     }
     if ((argc == 3 || argc == 5) && std::string(argv[1]) == "--profile-once") {  // T [ws_short ws_long]

@@ -1337,6 +1337,29 @@ static void scalar_ops_case(int64_t n, uint64_t seed) {
     CHECK(e_o < 1e-2 && e_x < 1e-2 && e_y < 1e-2 && e_la < 1e-4 && e_lb < 1e-4 && e_lc < 1e-4 && e_o2 < 1e-2 && e_bx < 1e-2 &&
               e_by < 1e-2 && e_w < 1e-2 && e_dw < 1e-2 && e_gl < 1e-4,
           "scalar-weighted ops differ from the fp64 reference");
+    // the same three backward passes with their sums deferred (DeferredSums: one launch adds them all
+    // at the end, as the model's backward does): the same bits; a fourth sum finds no slot
+    DeviceArray<float> sc2(scalars), glam2(std::vector<float>{0.f});
+    DeviceArray<uint16_t> gdx2(dx0), gdy2(dy0), dw2(dx0);
+    DeferredSums deferred;
+    CUDA_CHECK(deferred.allocate(3, 0));
+    const scal::Coef ca2{sc2.ptr + 0, 1.f, 0.f}, cb2{sc2.ptr + 1, 1.f, 0.f}, minus2{sc2.ptr + 2, -1.f, 0.f};
+    CUDA_CHECK(combine_backward(bf(ddout.ptr), bf(dx.ptr), bf(dy.ptr), bf(gdx2.ptr), true, bf(gdy2.ptr), true, n, ca2, cb2,
+                                sc2.ptr + 3, sc2.ptr + 4, nullptr, 0, &deferred));
+    CUDA_CHECK(combine_backward(bf(ddout.ptr), bf(dx.ptr), bf(dy.ptr), bf(gdx2.ptr), false, bf(gdy2.ptr), false, n, one,
+                                minus2, nullptr, sc2.ptr + 5, nullptr, 0, &deferred));
+    CUDA_CHECK(scale_weight_backward(ddwp.ptr, bf(dx.ptr), bf(dw2.ptr), n, sc2.ptr, glam2.ptr, nullptr, 0, &deferred));
+    const cudaError_t full = scale_weight_backward(ddwp.ptr, bf(dx.ptr), bf(dw2.ptr), n, sc2.ptr, glam2.ptr, nullptr, 0, &deferred);
+    const std::vector<float> before = sc2.download();  // nothing added before finish()
+    CUDA_CHECK(deferred.finish(0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> after = sc2.download();
+    const float gl = glam.download()[0], gl2 = glam2.download()[0];
+    const bool same = after[3] == s[3] && after[4] == s[4] && after[5] == s[5] && gl2 == gl;
+    printf("  mixing/backout/scaling sums deferred: %s\n", same ? "the same bits" : "DIFFERENT");
+    CHECK(same && full == cudaErrorInvalidValue && before[3] == scalars[3] && before[5] == scalars[5],
+          "deferred sums: %.9g %.9g %.9g %.9g, immediate %.9g %.9g %.9g %.9g; a sum past the slots: %s", after[3], after[4],
+          after[5], gl2, s[3], s[4], s[5], gl, cudaGetErrorString(full));
 }
 
 // Runs a tests/ oracle script on a folder; returns its exit status, with what it printed in out.
