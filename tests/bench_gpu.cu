@@ -110,15 +110,26 @@ static void bench_model(Gemms& gemms, const char* gemm_choice) {
            (free0 - free1) / 1073741824.0);
 }
 
-static void profile_once(int T, int ws_short, int ws_long) {
+// The model (initial weights) and one micro-batch of T tokens at the given windows, for the probes below
+struct ProbeModel {
     Hyperparameters args;
     Gemms gemms;
-    ParamStore params(1, 0);
-    Model model(params, gemms, args, T, 0, 512);
-    std::mt19937_64 rng(7);
-    DeviceBatch b(T, rng);
-    ForwardArgs fa = bench_forward_args(args);
-    fa.ws_short = ws_short, fa.ws_long = ws_long;
+    ParamStore params{1, 0};
+    Model model;
+    std::mt19937_64 rng{7};
+    DeviceBatch b;
+    ForwardArgs fa;
+    ProbeModel(int T, int ws_short, int ws_long)
+        : model(params, gemms, args, T, 0, 512), b(T, rng), fa(bench_forward_args(args)) {
+        fa.ws_short = ws_short, fa.ws_long = ws_long;
+    }
+};
+
+static void profile_once(int T, int ws_short, int ws_long) {
+    ProbeModel pm(T, ws_short, ws_long);
+    Model& model = pm.model;
+    const DeviceBatch& b = pm.b;
+    const ForwardArgs& fa = pm.fa;
     // the first pass tunes the GEMMs; the second is timed (the kernels' sum under ncu against this
     // tells the time between kernels); the third alone is profiled
     for (int i = 0; i < 3; ++i) {
@@ -137,14 +148,10 @@ static void profile_once(int T, int ws_short, int ws_long) {
 // The backward of one micro-batch launched kernel by kernel on a stream, and the same captured as one
 // CUDA graph: the difference is the time the launches leave between kernels.
 static void graph_probe(int T, int ws_short, int ws_long) {
-    Hyperparameters args;
-    Gemms gemms;
-    ParamStore params(1, 0);
-    Model model(params, gemms, args, T, 0, 512);
-    std::mt19937_64 rng(7);
-    DeviceBatch b(T, rng);
-    ForwardArgs fa = bench_forward_args(args);
-    fa.ws_short = ws_short, fa.ws_long = ws_long;
+    ProbeModel pm(T, ws_short, ws_long);
+    Model& model = pm.model;
+    const DeviceBatch& b = pm.b;
+    const ForwardArgs& fa = pm.fa;
     cudaStream_t s;
     CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     for (int i = 0; i < 2; ++i) model.forward(b.tokens, b.cu, b.cu_len, T, fa, s), model.backward(s);  // tunes
