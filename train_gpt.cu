@@ -107,6 +107,8 @@ extern char** environ;
       "time each GEMM shape's cuBLASLt candidates on its first call (false: the heuristic's first choice)")         \
     X(I64, gemm_candidates, 8, "how many of cuBLASLt's heuristic candidates autotune times per GEMM shape (1-64)")  \
     X(BOOL, fused_mlp, true, "the MLP's c_fc GEMM with ReLU^2 in its epilogue, and its backward's (false: cuBLASLt + a pass)") \
+    X(BOOL, ce_one_launch, false,                                                                                   \
+      "training's cross-entropy loss and gradient in one launch, the gradient reading the logits from L2 (same bits)") \
     /* attention masking (windows in blocks of block_size tokens) */                                                \
     X(I64, block_size, 128, "attention window unit in tokens")                                                      \
     X(I64_LIST, ws_schedule, LIST(3, 7, 11), "long window (blocks) by equal parts of the scheduled steps")          \
@@ -2056,6 +2058,8 @@ class Model {
         gf8_ = alloc<uint8_t>((int64_t)LOGIT_ROWS * V), gf8t_ = alloc<uint8_t>((int64_t)LOGIT_ROWS * V);
         lm_grad_ = alloc<float>(V * D);
         losses_ = alloc<float>(TE), lse_ = alloc<float>(LOGIT_ROWS), loss_ = alloc<float>(1), bad_ = alloc<int>(1);
+        ce_sync_ = alloc<int>(ce::pipelined_ints(LOGIT_ROWS));  // the one-launch cross-entropy's counters: zero
+        CUDA_CHECK(cudaMemset(ce_sync_, 0, ce::pipelined_ints(LOGIT_ROWS) * sizeof(int)));
         // backward workspaces
         dx_ = bf(T * D), dx0_ = bf(T * D), dskip_ = bf(T * D), dback_ = bf(T * D), dxn_ = bf(T * D);
         dy_ = bf(T * D), dyg_ = bf(T * D), dq_ = bf(T * D), dk_ = bf(T * D), dqkv_ = bf(T * 3 * D);
@@ -2431,9 +2435,13 @@ class Model {
             cp.losses = losses_ + r0;
             cp.lse = training ? lse_ : nullptr, cp.grad_scale = fa_.loss_scale, cp.fast_softcap = training;
             profile_mark(Part::Loss, s);
-            CUDA_CHECK(softcapped_cross_entropy(cp, s));
-            if (training)  // the gradient of the logits, e5m2, in the two layouts of the GEMMs below
-                CUDA_CHECK(softcapped_ce_grad_fp8(cp, gf8_, V, gf8t_, rows, (float)args_.lm_head_grad_s, s));
+            if (training && args_.ce_one_launch) {
+                CUDA_CHECK(softcapped_ce_pipelined_fp8(cp, gf8_, V, gf8t_, rows, (float)args_.lm_head_grad_s, ce_sync_, s));
+            } else {
+                CUDA_CHECK(softcapped_cross_entropy(cp, s));
+                if (training)  // the gradient of the logits, e5m2, in the two layouts of the GEMMs below
+                    CUDA_CHECK(softcapped_ce_grad_fp8(cp, gf8_, V, gf8t_, rows, (float)args_.lm_head_grad_s, s));
+            }
             profile_mark(Part::Head, s);
             if (!training) continue;
             // d norm(x) = g w^T; d lm_head = x^T g (fp32, as the record's grad_w: the first chunk writes it)
@@ -2487,6 +2495,7 @@ class Model {
     __nv_bfloat16 *dx_, *dx0_, *dskip_, *dback_, *dxn_, *dy_, *dyg_, *dq_, *dk_, *dqkv_, *dpost_, *dpre_,
         *dxn_head_, *demb_, *dve_[NUM_VALUE_EMBEDS];
     float *dw_, *delta_, *dz_, *dz_ve_, *dlam_rows_, *partial_, *gate_partial_;
+    int* ce_sync_;
     bool dve_written_[NUM_VALUE_EMBEDS] = {};  // the backward so far wrote dve_[k]
     std::unique_ptr<EmbeddingBackward> embed_bwd_;
     DeferredSums deferred_;  // the backward's scalar and gate-weight sums, added at its end
