@@ -2069,8 +2069,7 @@ class Model {
         for (auto& v : dve_) v = bf(T * D);
         dw_ = alloc<float>(3 * D * D), delta_ = alloc<float>(NUM_HEADS * 2 * T), dz_ = alloc<float>(NUM_HEADS * T);
         dz_ve_ = alloc<float>(NUM_HEADS * T);
-        dlam_rows_ = alloc<float>(T), partial_ = alloc<float>(2 * scal::DOT_BLOCKS);
-        gate_partial_ = alloc<float>(gate::WG_BLOCKS * gate::WG_OUT);
+        dlam_rows_ = alloc<float>(T);
         for (float*& sc : scales_) sc = alloc<float>(1);  // separate allocations: cuBLASLt wants 16-byte alignment
         const float vals[3] = {(float)args.lm_head_x_s, (float)args.lm_head_w_s, (float)args.lm_head_grad_s};
         for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaMemcpy(scales_[i], &vals[i], 4, cudaMemcpyHostToDevice));
@@ -2207,7 +2206,7 @@ class Model {
         // final norm, then the backout: x_back = x_last - lambda x_8in
         CUDA_CHECK(rms_norm_backward(x_back_, D, dxn_head_, D, rstd_f_, dx_, D, T, D, s));
         CUDA_CHECK(combine_backward(dx_, x_last_, backout_source(), dx_, false, dback_, false, TD, {nullptr, 0.f, 1.f},
-                                    {scalars + SCALAR_BACKOUT, -1.f, 0.f}, nullptr, gscalars + SCALAR_BACKOUT, partial_, s, &deferred_));
+                                    {scalars + SCALAR_BACKOUT, -1.f, 0.f}, nullptr, gscalars + SCALAR_BACKOUT, nullptr, s, &deferred_));
         for (int i = NUM_LAYERS - 1; i >= 0; --i) {
             Layer& l = layers_[i];
             // dx: the gradient of this layer's output
@@ -2234,7 +2233,7 @@ class Model {
                 rstd = l.rstd_a;
             }
             CUDA_CHECK(norm_mix_backward(dxn_, rstd, dx_, l.x_in, x0_, dx0_, i == NUM_LAYERS - 1, T, {scalars + SCALAR_RESID + i, 1.f, 0.f},
-                                         {x0_lambdas + i, 1.f, 0.f}, gscalars + SCALAR_RESID + i, gx0l + i, partial_, s, &deferred_));
+                                         {x0_lambdas + i, 1.f, 0.f}, gscalars + SCALAR_RESID + i, gx0l + i, nullptr, s, &deferred_));
             if (i == SKIP_OUT) {  // skip: x_in += c 2 sigmoid(z(x0)) skip_source; dx passes through
                 gate::Params sk = row_gate(T, x0_, bf(p_["skip_gate"].data), scalars + SCALAR_SKIP);
                 sk.b = skip_source(), sk.dout = dx_, sk.ld_dout = D, sk.db = dskip_, sk.ld_db = D, sk.db_first = true;
@@ -2310,13 +2309,13 @@ class Model {
     }
     gate::Params row_gate(int T, const __nv_bfloat16* x, const __nv_bfloat16* w, const float* lambda) {
         gate::Params g{};
-        g.tokens = T, g.heads = 1, g.x = x, g.ld_x = MODEL_DIM, g.w = w, g.lambda = lambda, g.partial = gate_partial_;
+        g.tokens = T, g.heads = 1, g.x = x, g.ld_x = MODEL_DIM, g.w = w, g.lambda = lambda;
         g.ld_a = g.ld_b = g.ld_out = g.ld_dout = g.ld_da = g.ld_db = MODEL_DIM;
         return g;
     }
     gate::Params head_gate(int i, const __nv_bfloat16* w) {
         gate::Params g{};
-        g.tokens = T_, g.heads = NUM_HEADS, g.x = layer(i).xn_a, g.ld_x = MODEL_DIM, g.w = w, g.partial = gate_partial_;
+        g.tokens = T_, g.heads = NUM_HEADS, g.x = layer(i).xn_a, g.ld_x = MODEL_DIM, g.w = w;
         g.ld_a = g.ld_b = g.ld_out = g.ld_dout = g.ld_da = g.ld_db = MODEL_DIM;
         return g;
     }
@@ -2399,7 +2398,7 @@ class Model {
         gemms_.bf16(s, Op::N, Op::N, T, D, D, dx_, D, wo, D, dyg_, D, false);
         gemms_.bf16(s, Op::T, Op::N, D, D, T, dx_, D, l.yg, D, dw_, D, true);
         CUDA_CHECK(scale_weight_backward(dw_, attn_w(i) + 3 * D * D, attn_grad(i) + 3 * D * D, D * D,
-                                         scalars + SCALAR_SA + 2 * i + 1, gscalars + SCALAR_SA + 2 * i + 1, partial_, s, &deferred_));
+                                         scalars + SCALAR_SA + 2 * i + 1, gscalars + SCALAR_SA + 2 * i + 1, nullptr, s, &deferred_));
         // output gate: dy (its input gradient joins dxn after the QKV backward: dz kept till then)
         gate::Params og = head_gate(i, attn_gate_w(i));
         og.a = l.y, og.dout = dyg_, og.da = dy_, og.dz = dz_;
@@ -2432,7 +2431,7 @@ class Model {
         if (has_value_embed(i)) CUDA_CHECK(gate_input_grad(vg, dxn_, D, s));
         gemms_.bf16(s, Op::T, Op::N, 3 * D, D, T, dqkv_, 3 * D, l.xn_a, D, dw_, D, true);
         CUDA_CHECK(scale_weight_backward(dw_, attn_w(i), attn_grad(i), 3 * D * D, scalars + SCALAR_SA + 2 * i,
-                                         gscalars + SCALAR_SA + 2 * i, partial_, s, &deferred_));
+                                         gscalars + SCALAR_SA + 2 * i, nullptr, s, &deferred_));
     }
 
     // lm_head (fp8 in training, @YouJiacheng; transposed weight, @ChrisJMcCormick) on norm(x) in
@@ -2531,11 +2530,11 @@ class Model {
     uint8_t *xf8_, *xf8t_, *wf8t_, *wf8_, *gf8_, *gf8t_;
     __nv_bfloat16 *dx_, *dx0_, *dskip_, *dback_, *dxn_, *dy_, *dyg_, *dq_, *dk_, *dqkv_, *dpost_, *dpre_,
         *dxn_head_, *demb_, *dve_[NUM_VALUE_EMBEDS];
-    float *dw_, *delta_, *dz_, *dz_ve_, *dlam_rows_, *partial_, *gate_partial_;
+    float *dw_, *delta_, *dz_, *dz_ve_, *dlam_rows_;
     int* ce_sync_;
     bool dve_written_[NUM_VALUE_EMBEDS] = {};  // the backward so far wrote dve_[k]
     std::unique_ptr<EmbeddingBackward> embed_bwd_;
-    DeferredSums deferred_;  // the backward's scalar and gate-weight sums, added at its end
+    DeferredSums deferred_;  // the backward's scalar and gate-weight sums (their partial sums too), added at its end
     // the captured backward and what it was captured for
     struct GraphKey {
         int T = -1, cu_len = -1;

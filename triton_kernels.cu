@@ -1340,6 +1340,31 @@ constexpr int PR = GR, LAG = 2;  // rows a band (a gradient tile's); bands the l
 // the first launch; the last CTA out leaves it zero again)
 inline int64_t pipelined_ints(int rows) { return 2 + (rows + PR - 1) / PR; }
 
+// The order of the items: bands 0..lag-1 of loss rows, then (the loss rows of band b, the gradient
+// items of band b - lag) for b = lag..bands-1, then the gradient items of the last lag bands
+struct Order {
+    int bands, lag, pairs, head, mid, total;
+    __host__ __device__ Order(int rows, int vocab) {
+        bands = (rows + PR - 1) / PR, lag = bands < LAG ? bands : LAG;
+        pairs = ((vocab + GC * GT - 1) / (GC * GT) + 1) / 2;  // gradient items a band: two column groups each
+        head = lag * PR, mid = (bands - lag) * (PR + pairs), total = head + mid + lag * pairs;
+    }
+    struct Item {
+        bool loss;
+        int band, k;  // the band; its row (loss) or its pair of column groups (gradient)
+    };
+    __device__ Item item(int it) const {
+        if (it < head) return {true, it / PR, it % PR};
+        int j = it - head;
+        if (j < mid) {
+            const int stage = j / (PR + pairs), o = j % (PR + pairs);
+            return o < PR ? Item{true, lag + stage, o} : Item{false, stage, o - PR};
+        }
+        j -= mid;
+        return {false, bands - lag + j / pairs, j % pairs};
+    }
+};
+
 // MIN_BLOCKS: CTAs an SM the registers are capped for (1: 128 registers, 2: 64, with some spills)
 template <int MIN_BLOCKS>
 __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
@@ -1348,50 +1373,28 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
     __shared__ __align__(16) uint8_t tile[2][2][GC * GPITCH];  // a half's double-buffered tile each
     __shared__ int item_s;
     const int t = threadIdx.x, half = t / 256;
-    const int bands = (p.rows + PR - 1) / PR, lag = min(LAG, bands);
-    const int groups = (p.vocab + GC * GT - 1) / (GC * GT), pairs = (groups + 1) / 2;  // gradient items a band
-    // the order: bands 0..lag-1 of loss rows, then (loss rows of band b, gradient items of band b - lag)
-    // for b = lag..bands-1, then the gradient items of the last lag bands
-    const int head = lag * PR, mid = (bands - lag) * (PR + pairs), total = head + mid + lag * pairs;
+    const int groups = (p.vocab + GC * GT - 1) / (GC * GT);
+    const Order order(p.rows, p.vocab);
     int* claims = sync;
     int* done = sync + 1;
     int* band_rows = sync + 2;
     for (;;) {
         if (t == 0) {
             const int it = atomicAdd(claims, 1);
-            if (it < total && it >= head) {  // a gradient item waits for its band's lse
-                const int j = it - head;
-                int band = -1;
-                if (j < mid) {
-                    if (j % (PR + pairs) >= PR) band = j / (PR + pairs);
-                } else {
-                    band = bands - lag + (j - mid) / pairs;
-                }
-                if (band >= 0) {
-                    int rows_done;
-                    do {
-                        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(rows_done) : "l"(band_rows + band) : "memory");
-                        if (rows_done < PR) __nanosleep(128);
-                    } while (rows_done < PR);
-                }
+            const Order::Item item = order.item(it);
+            if (it < order.total && !item.loss) {  // a gradient item waits for its band's lse
+                int rows_done;
+                do {
+                    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(rows_done) : "l"(band_rows + item.band) : "memory");
+                    if (rows_done < PR) __nanosleep(128);
+                } while (rows_done < PR);
             }
             item_s = it;
         }
         __syncthreads();
         const int it = item_s;
-        if (it >= total) break;
-        int band, k;
-        bool loss;
-        if (it < head) {
-            loss = true, band = it / PR, k = it % PR;
-        } else if (it - head < mid) {
-            const int j = it - head, stage = j / (PR + pairs), o = j % (PR + pairs);
-            loss = o < PR;
-            band = loss ? lag + stage : stage, k = loss ? o : o - PR;
-        } else {
-            const int j = it - head - mid;
-            loss = false, band = bands - lag + j / pairs, k = j % pairs;
-        }
+        if (it >= order.total) break;
+        const auto [loss, band, k] = order.item(it);
         if (loss) {
             const int row = band * PR + k;
             if (row < p.rows) loss_row<true>(p, row, red);  // (thread 0 writes the row's lse)
@@ -1406,7 +1409,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
     }
     if (t == 0 && atomicAdd(done, 1) == (int)gridDim.x - 1) {  // the last CTA out: zero for the next launch
         *claims = 0, *done = 0;
-        for (int b = 0; b < bands; ++b) band_rows[b] = 0;
+        for (int b = 0; b < order.bands; ++b) band_rows[b] = 0;
     }
 }
 
@@ -1451,9 +1454,7 @@ inline cudaError_t softcapped_ce_pipelined_fp8(const ce::Params& p, uint8_t* g8,
             return e;
     if (per_sm[min_blocks] < 1) return cudaErrorInvalidConfiguration;
     // every CTA resident at once (a waiting CTA must not keep another from starting)
-    const int bands = (p.rows + ce::PR - 1) / ce::PR;
-    const int items = bands * (ce::PR + ((p.vocab + ce::GC * ce::GT - 1) / (ce::GC * ce::GT) + 1) / 2);
-    const int grid = std::min(items, per_sm[min_blocks] * tk::num_sms());
+    const int grid = std::min(ce::Order(p.rows, p.vocab).total, per_sm[min_blocks] * tk::num_sms());
     if (min_blocks == 1) ce::pipelined_fp8_kernel<1><<<grid, ce::THREADS, 0, stream>>>(p, g8, ld8, g8t, ld8t, 1.f / grad_s, sync);
     else ce::pipelined_fp8_kernel<2><<<grid, ce::THREADS, 0, stream>>>(p, g8, ld8, g8t, ld8t, 1.f / grad_s, sync);
     return cudaGetLastError();
@@ -2854,13 +2855,18 @@ __global__ void __launch_bounds__(256) gate_weight_partial_kernel(const Params p
     }
 }
 
-__global__ void gate_weight_finish_kernel(const Params p, bool with_lambda, __nv_bfloat16* dw, float* dlambda) {
-    const int o = threadIdx.x, n_out = p.heads * GW + with_lambda;
+// (one thread an output: heads x 12, and the lambda's)
+__device__ __forceinline__ void weight_finish(const float* partial, int heads, bool with_lambda, __nv_bfloat16* dw,
+                                              float* dlambda) {
+    const int o = threadIdx.x, n_out = heads * GW + with_lambda;
     if (o >= n_out) return;
     float s = 0.f;
-    for (int b = 0; b < WG_BLOCKS; ++b) s += p.partial[b * WG_OUT + o];
-    if (o == p.heads * GW) *dlambda += s;
+    for (int b = 0; b < WG_BLOCKS; ++b) s += partial[b * WG_OUT + o];
+    if (o == heads * GW) *dlambda += s;
     else dw[o] = __float2bfloat16(__bfloat162float(dw[o]) + s);
+}
+__global__ void gate_weight_finish_kernel(const Params p, bool with_lambda, __nv_bfloat16* dw, float* dlambda) {
+    weight_finish(p.partial, p.heads, with_lambda, dw, dlambda);
 }
 
 }  // namespace gate
@@ -2869,12 +2875,28 @@ __global__ void gate_weight_finish_kernel(const Params p, bool with_lambda, __nv
 // The scalar and gate-weight gradients' last step, deferred: combine_backward, norm_mix_backward,
 // scale_weight_backward and gate_backward each end with a one-block kernel that adds their
 // per-block partial sums into the gradient. Given a DeferredSums, they leave the partial sums in a
-// slot of its own and record the target instead; finish() then does every recorded addition in
+// slot of its own (their `partial` workspace, p.partial for the gates, goes unused) and record the
+// target instead; finish() then does every recorded addition in
 // one launch, a CTA each, with the same arithmetic (the same bits). A backward pass has about 50
 // of them, each a launch and a gap between kernels. Every target of one finish() is distinct.
 
 namespace scal {
 constexpr int DOT_BLOCKS = 264;  // the scalar passes' blocks (below): each sums a fixed slice of the values
+
+// grad[k] += scale_k * sum of partial[k][*], one warp per target in a fixed order (deterministic)
+__device__ __forceinline__ void finish_sums(const float* partial, float* g0, float s0, float* g1, float s1) {
+    const int k = threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (k > 1) return;
+    float* g = k == 0 ? g0 : g1;
+    if (!g) return;
+    float t = 0.f;
+    for (int i = lane; i < DOT_BLOCKS; i += 32) t += partial[k * DOT_BLOCKS + i];
+    t = tk::warp_sum(t);
+    if (lane == 0) *g += t * (k == 0 ? s0 : s1);
+}
+__global__ void finish_kernel(const float* partial, float* g0, float s0, float* g1, float s1) {
+    finish_sums(partial, g0, s0, g1, s1);
+}
 }  // namespace scal
 
 namespace defer {
@@ -2885,35 +2907,21 @@ struct Sum {
     const float* partial;
     float* g0;  // scalar sums: *g0 += s0 * sum(partial[0, DOT_BLOCKS)), *g1 likewise from the next DOT_BLOCKS
     float* g1;
-    __nv_bfloat16* dw;  // gate sums: dw[o] += ..., *g0 (dlambda) += ... for o < n_out (gate_weight_finish's)
+    __nv_bfloat16* dw;  // gate sums (heads > 0): dw (heads x 12) and, with_lambda, *g0 (dlambda)
     float s0, s1;
-    int n_out;  // 0: a scalar sum
-    int heads;
+    int heads;  // 0: a scalar sum
+    bool with_lambda;
 };
 struct Sums {
     Sum s[MAX_SUMS];
     int count;
 };
 
+// a CTA a sum, as scal::finish_kernel or gate::gate_weight_finish_kernel would add it
 __global__ void finish_kernel(const Sums sums) {
     const Sum& d = sums.s[blockIdx.x];
-    if (d.n_out == 0) {  // scal::finish_kernel's
-        const int k = threadIdx.x / 32, lane = threadIdx.x & 31;
-        if (k > 1) return;
-        float* g = k == 0 ? d.g0 : d.g1;
-        if (!g) return;
-        float t = 0.f;
-        for (int i = lane; i < scal::DOT_BLOCKS; i += 32) t += d.partial[k * scal::DOT_BLOCKS + i];
-        t = tk::warp_sum(t);
-        if (lane == 0) *g += t * (k == 0 ? d.s0 : d.s1);
-    } else {  // gate::gate_weight_finish_kernel's
-        const int o = threadIdx.x;
-        if (o >= d.n_out) return;
-        float t = 0.f;
-        for (int b = 0; b < gate::WG_BLOCKS; ++b) t += d.partial[b * gate::WG_OUT + o];
-        if (o == d.heads * gate::GW) *d.g0 += t;
-        else d.dw[o] = __float2bfloat16(__bfloat162float(d.dw[o]) + t);
-    }
+    if (d.heads == 0) scal::finish_sums(d.partial, d.g0, d.s0, d.g1, d.s1);
+    else gate::weight_finish(d.partial, d.heads, d.with_lambda, d.dw, d.g0);
 }
 
 }  // namespace defer
@@ -2938,14 +2946,14 @@ class DeferredSums {
     float* scalar(float* g0, float s0, float* g1, float s1) {
         if (n_scal_ >= scal_slots_ || sums_.count >= defer::MAX_SUMS) return nullptr;
         float* partial = scal_ + (size_t)n_scal_++ * defer::SCAL_FLOATS;
-        sums_.s[sums_.count++] = {partial, g0, g1, nullptr, s0, s1, 0, 0};
+        sums_.s[sums_.count++] = {partial, g0, g1, nullptr, s0, s1, 0, false};
         return partial;
     }
     // the same for a gate's weight (dw: heads x 12) and, with_lambda, its scalar (*dlambda)
     float* gate_weights(int heads, bool with_lambda, __nv_bfloat16* dw, float* dlambda) {
         if (n_gate_ >= gate_slots_ || sums_.count >= defer::MAX_SUMS) return nullptr;
         float* partial = gate_ + (size_t)n_gate_++ * defer::GATE_FLOATS;
-        sums_.s[sums_.count++] = {partial, dlambda, nullptr, dw, 0.f, 0.f, heads * gate::GW + (with_lambda ? 1 : 0), heads};
+        sums_.s[sums_.count++] = {partial, dlambda, nullptr, dw, 0.f, 0.f, heads, with_lambda};
         return partial;
     }
     // every recorded sum, then the slots are free again
@@ -3164,17 +3172,6 @@ __global__ void norm_mix_bwd_kernel(const __nv_bfloat16* dxn, const float* rstd,
     __shared__ float red[2][32];
     const float tx = tk::block_sum0(sx, red[0]), ty = tk::block_sum0(sy, red[1]);
     if (threadIdx.x == 0) partial[blockIdx.x] = tx, partial[DOT_BLOCKS + blockIdx.x] = ty;
-}
-
-// grad[k] += scale_k * sum of partial[k][*], one warp per target in a fixed order (deterministic)
-__global__ void finish_kernel(const float* partial, float* g0, float s0, float* g1, float s1) {
-    const int k = threadIdx.x / 32, lane = threadIdx.x & 31;
-    float* g = k == 0 ? g0 : g1;
-    if (!g) return;
-    float t = 0.f;
-    for (int i = lane; i < DOT_BLOCKS; i += 32) t += partial[k * DOT_BLOCKS + i];
-    t = tk::warp_sum(t);
-    if (lane == 0) *g += t * (k == 0 ? s0 : s1);
 }
 
 __global__ void scale_weight_kernel(__nv_bfloat16* out, const __nv_bfloat16* w, int64_t n8, const float* lambda) {
