@@ -68,7 +68,7 @@ bench: tests/test_host tests/libattention.so tests/bench_gpu bench-loop
 
 # The real training loop on real data (the shortened schedule of record 61: 150 + 10 steps, all
 # three phases and the extension), every other step timed by parts: ms per step and where it goes.
-# BENCH_FLAGS: more trainer flags (make bench-loop BENCH_FLAGS='--ce_one_launch --cuda_graphs')
+# BENCH_FLAGS: more trainer flags (make bench-loop BENCH_FLAGS='--fused_mlp false')
 bench-loop: train_gpt
 	@if ls $(BENCH_DATA) >/dev/null 2>&1 && ls $(BENCH_VAL) >/dev/null 2>&1; then \
 	  ./train_gpt --train_files '$(BENCH_DATA)' --val_files '$(BENCH_VAL)' --num_scheduled_iterations 150 \

@@ -107,9 +107,6 @@ extern char** environ;
       "time each GEMM shape's cuBLASLt candidates on its first call (false: the heuristic's first choice)")         \
     X(I64, gemm_candidates, 8, "how many of cuBLASLt's heuristic candidates autotune times per GEMM shape (1-64)")  \
     X(BOOL, fused_mlp, true, "the MLP's c_fc GEMM with ReLU^2 in its epilogue, and its backward's (false: cuBLASLt + a pass)") \
-    X(BOOL, ce_one_launch, false,                                                                                   \
-      "training's cross-entropy loss and gradient in one launch, the gradient reading the logits from L2 (same bits)") \
-    X(BOOL, cuda_graphs, false, "the backward of each micro-step as one CUDA graph, captured once per batch shape and window") \
     /* attention masking (windows in blocks of block_size tokens) */                                                \
     X(I64, block_size, 128, "attention window unit in tokens")                                                      \
     X(I64_LIST, ws_schedule, LIST(3, 7, 11), "long window (blocks) by equal parts of the scheduled steps")          \
@@ -2059,8 +2056,6 @@ class Model {
         gf8_ = alloc<uint8_t>((int64_t)LOGIT_ROWS * V), gf8t_ = alloc<uint8_t>((int64_t)LOGIT_ROWS * V);
         lm_grad_ = alloc<float>(V * D);
         losses_ = alloc<float>(TE), lse_ = alloc<float>(LOGIT_ROWS), loss_ = alloc<float>(1), bad_ = alloc<int>(1);
-        ce_sync_ = alloc<int>(ce::pipelined_ints(LOGIT_ROWS));  // the one-launch cross-entropy's counters: zero
-        CUDA_CHECK(cudaMemset(ce_sync_, 0, ce::pipelined_ints(LOGIT_ROWS) * sizeof(int)));
         // backward workspaces
         dx_ = bf(T * D), dx0_ = bf(T * D), dskip_ = bf(T * D), dback_ = bf(T * D), dxn_ = bf(T * D);
         dy_ = bf(T * D), dyg_ = bf(T * D), dq_ = bf(T * D), dk_ = bf(T * D), dqkv_ = bf(T * 3 * D);
@@ -2077,9 +2072,6 @@ class Model {
         // a backward's scalar sums (the backout, each layer's mixing, each attention layer's two sa
         // lambdas) and gate sums (each attention layer's output gate and value-embedding gate, skip, smear)
         CUDA_CHECK(deferred_.allocate(1 + NUM_LAYERS + 2 * NUM_ATTN_LAYERS, NUM_ATTN_LAYERS + NUM_VE_LAYERS + 2));
-    }
-    ~Model() {
-        if (graph_) cudaGraphExecDestroy(graph_);
     }
     Model(const Model&) = delete;
     Model& operator=(const Model&) = delete;
@@ -2158,41 +2150,8 @@ class Model {
     }
 
     // The backward of the last training forward: adds every parameter's gradient into its buffer.
-    // With --cuda_graphs, as one CUDA graph: the second backward with the same inputs (batch buffers,
-    // sizes, windows, attention scale) is captured, later ones replay it, so that a run of short
-    // kernels does not wait for the host's launches. Launched kernel by kernel while profiling, while
-    // reduces start inside it (grad_ready_), on the legacy default stream (it cannot be captured), and
-    // the first time (which tunes new GEMM shapes).
     void backward(cudaStream_t s) {
         if (!fa_.training) fail("backward: the last forward pass was an evaluation");
-        if (!args_.cuda_graphs || g_profiler || grad_ready_ || !s) return backward_launches(s);
-        const GraphKey key{T_, cu_len_, tokens_, cu_, fa_.ws_short, fa_.ws_long, fa_.yarn.attn_scale};
-        if (graph_ && key == graph_key_) {
-            CUDA_CHECK(cudaGraphLaunch(graph_, s));
-            return;
-        }
-        if (!(key == seen_key_)) {
-            seen_key_ = key;
-            return backward_launches(s);
-        }
-        reset_graphs();
-        cudaGraph_t g;
-        CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-        backward_launches(s);
-        CUDA_CHECK(cudaStreamEndCapture(s, &g));
-        const cudaError_t e = cudaGraphInstantiate(&graph_, g, 0);
-        CUDA_CHECK(cudaGraphDestroy(g));
-        CUDA_CHECK(e);
-        graph_key_ = key;
-        CUDA_CHECK(cudaGraphLaunch(graph_, s));
-    }
-    // forgets the captured backward (the GEMM plan may change: a rank adopting rank 0's)
-    void reset_graphs() {
-        if (graph_) CUDA_CHECK(cudaGraphExecDestroy(graph_));
-        graph_ = nullptr, seen_key_ = graph_key_ = GraphKey{};
-    }
-
-    void backward_launches(cudaStream_t s) {
         const int T = T_;
         const int64_t D = MODEL_DIM, TD = (int64_t)T * D;
         float* scalars = (float*)p_["scalars"].data;
@@ -2471,13 +2430,9 @@ class Model {
             cp.losses = losses_ + r0;
             cp.lse = training ? lse_ : nullptr, cp.grad_scale = fa_.loss_scale, cp.fast_softcap = training;
             profile_mark(Part::Loss, s);
-            if (training && args_.ce_one_launch) {
-                CUDA_CHECK(softcapped_ce_pipelined_fp8(cp, gf8_, V, gf8t_, rows, (float)args_.lm_head_grad_s, ce_sync_, s));
-            } else {
-                CUDA_CHECK(softcapped_cross_entropy(cp, s));
-                if (training)  // the gradient of the logits, e5m2, in the two layouts of the GEMMs below
-                    CUDA_CHECK(softcapped_ce_grad_fp8(cp, gf8_, V, gf8t_, rows, (float)args_.lm_head_grad_s, s));
-            }
+            CUDA_CHECK(softcapped_cross_entropy(cp, s));
+            if (training)  // the gradient of the logits, e5m2, in the two layouts of the GEMMs below
+                CUDA_CHECK(softcapped_ce_grad_fp8(cp, gf8_, V, gf8t_, rows, (float)args_.lm_head_grad_s, s));
             profile_mark(Part::Head, s);
             if (!training) continue;
             // d norm(x) = g w^T; d lm_head = x^T g (fp32, as the record's grad_w: the first chunk writes it)
@@ -2531,23 +2486,9 @@ class Model {
     __nv_bfloat16 *dx_, *dx0_, *dskip_, *dback_, *dxn_, *dy_, *dyg_, *dq_, *dk_, *dqkv_, *dpost_, *dpre_,
         *dxn_head_, *demb_, *dve_[NUM_VALUE_EMBEDS];
     float *dw_, *delta_, *dz_, *dz_ve_, *dlam_rows_;
-    int* ce_sync_;
     bool dve_written_[NUM_VALUE_EMBEDS] = {};  // the backward so far wrote dve_[k]
     std::unique_ptr<EmbeddingBackward> embed_bwd_;
     DeferredSums deferred_;  // the backward's scalar and gate-weight sums (their partial sums too), added at its end
-    // the captured backward and what it was captured for
-    struct GraphKey {
-        int T = -1, cu_len = -1;
-        const int32_t *tokens = nullptr, *cu = nullptr;
-        int64_t ws_short = -1, ws_long = -1;
-        double attn_scale = 0;
-        bool operator==(const GraphKey& o) const {
-            return T == o.T && cu_len == o.cu_len && tokens == o.tokens && cu == o.cu && ws_short == o.ws_short &&
-                   ws_long == o.ws_long && attn_scale == o.attn_scale;
-        }
-    };
-    cudaGraphExec_t graph_ = nullptr;
-    GraphKey graph_key_, seen_key_;
     std::function<void(ReducePoint, int, cudaStream_t)> grad_ready_;
 };
 
@@ -4241,7 +4182,6 @@ static int trainer_main(int argc, char** argv) {
     print0("# gemm plan\n" + gemm_plan + "# end gemm plan");
     peak_mib();
     print0("resetting the model", true);
-    model.reset_graphs();  // captured with the warmup's GEMM plan: the plan is final only now
     params.load_initial_state(stream);
     training_manager.reset();
     CUDA_CHECK(cudaStreamSynchronize(stream));

@@ -1140,9 +1140,10 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 // t = tanh((x + b) / 2c) on tanh.approx, two (its relative error of 2^-11 on single values leaves the
 // losses within about 2e-6 of the exact ones: the errors of a row's 50K terms average out).
 
-// one row, by a block of THREADS (red: THREADS / 32 floats of shared memory)
 template <bool FAST>
-__device__ __forceinline__ void loss_row(const Params& p, int row, float* red) {
+__global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) {
+    __shared__ float red[THREADS / 32];
+    const int row = blockIdx.x;
     const __nv_bfloat16* x = p.logits + (int64_t)row * p.ld;
     const int nvec = p.vocab / 8;
     const float nic = -1.f / p.c;
@@ -1196,12 +1197,6 @@ __device__ __forceinline__ void loss_row(const Params& p, int row, float* red) {
     }
 }
 
-template <bool FAST>
-__global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) {
-    __shared__ float red[THREADS / 32];
-    loss_row<FAST>(p, blockIdx.x, red);
-}
-
 // ---- backward: the gradient, in fp8 for the lm_head's GEMMs ----
 //
 // The cross-entropy's gradient straight to fp8 (e5m2, / grad_s), in both layouts the lm_head's
@@ -1230,13 +1225,11 @@ __device__ __forceinline__ void load_logits(const Params& p, int r0, int col, ui
                      : make_uint4(0, 0, 0, 0);
 }
 
-// The tile of GR rows (row band `rband`) x GT * GC columns (column group `cgroup`), by 256 threads (t:
-// 0-255) that synchronize on barrier `bar` (tile: their [2][GC * GPITCH] bytes of shared memory)
-__device__ __forceinline__ void grad_tile(const Params& p, uint8_t* g8, int64_t ld8, uint8_t* g8t, int64_t ld8t,
-                                          float inv_grad_s, int cgroup, int rband, int t, uint8_t (*tile)[GC * GPITCH],
-                                          int bar) {
-    const int rg = t / 16, cg = t % 16;
-    const int r0 = rband * GR + rg * 4;  // this thread's first row
+__global__ void __launch_bounds__(256, 3) grad_fp8_kernel(const Params p, uint8_t* g8, int64_t ld8, uint8_t* g8t,
+                                                       int64_t ld8t, float inv_grad_s) {
+    __shared__ __align__(16) uint8_t tile[2][GC * GPITCH];  // [col][row], double-buffered
+    const int t = threadIdx.x, rg = t / 16, cg = t % 16;
+    const int r0 = blockIdx.y * GR + rg * 4;  // this thread's first row
     const float L2E = 1.4426950408889634f;
     // with t = tanh((x + b) / 2c): z = a (1 + t) / 2 and d softcap / dx = z (1 - z/a) / c = (a/4c) (1 - t^2)
     const TanhCap tc(p);
@@ -1253,10 +1246,9 @@ __device__ __forceinline__ void grad_tile(const Params& p, uint8_t* g8, int64_t 
             tgt[i][k] = on ? p.targets[row + k] : -1;
             if (on) wsum += p.w[k];
         }
-        // (lse through L2: in the one-launch kernel another CTA wrote it during this launch)
-        off[i] = row < p.rows && wsum > 0.f ? __ldcg(p.lse + row) * L2E - log2f(K * wsum) - hL : INFINITY;  // 2^-inf = 0
+        off[i] = row < p.rows && wsum > 0.f ? p.lse[row] * L2E - log2f(K * wsum) - hL : INFINITY;  // 2^-inf = 0
     }
-    const int cbase = cgroup * GC * GT;
+    const int cbase = blockIdx.x * GC * GT;
     uint4 raw[4];
     load_logits(p, r0, cbase + cg * 8, raw);
 #pragma unroll 1
@@ -1304,9 +1296,9 @@ __device__ __forceinline__ void grad_tile(const Params& p, uint8_t* g8, int64_t 
             *reinterpret_cast<uint32_t*>(buf + (cg * 8 + 2 * q) * GPITCH + rg * 4) = __byte_perm(lo01, lo23, 0x5410);
             *reinterpret_cast<uint32_t*>(buf + (cg * 8 + 2 * q + 1) * GPITCH + rg * 4) = __byte_perm(lo01, lo23, 0x7632);
         }
-        asm volatile("bar.sync %0, 256;\n" ::"r"(bar) : "memory");  // (double buffering: the next tile writes the other buffer)
+        __syncthreads();  // (double buffering: the next tile writes the other buffer)
         // transposed: 128 columns x 4 vectors of 16 rows, two passes of 64 columns
-        const int rb = rband * GR;
+        const int rb = blockIdx.y * GR;
 #pragma unroll
         for (int pass = 0; pass < 2; ++pass) {
             const int c = pass * 64 + t / 4, r = (t % 4) * 16;
@@ -1314,102 +1306,6 @@ __device__ __forceinline__ void grad_tile(const Params& p, uint8_t* g8, int64_t 
             const uint32_t* src = reinterpret_cast<const uint32_t*>(buf + c * GPITCH + r);
             *reinterpret_cast<uint4*>(g8t + (int64_t)(c0 + c) * ld8t + rb + r) = make_uint4(src[0], src[1], src[2], src[3]);
         }
-    }
-}
-
-__global__ void __launch_bounds__(256, 3) grad_fp8_kernel(const Params p, uint8_t* g8, int64_t ld8, uint8_t* g8t,
-                                                       int64_t ld8t, float inv_grad_s) {
-    __shared__ __align__(16) uint8_t tile[2][GC * GPITCH];  // [col][row], double-buffered
-    grad_tile(p, g8, ld8, g8t, ld8t, inv_grad_s, blockIdx.x, blockIdx.y, threadIdx.x, tile, 0);
-}
-
-// ---- training: both in one persistent kernel, the gradient's second read of the logits from L2 ----
-//
-// The loss kernel reads a chunk's logits from memory (824 MB at 8,192 rows), then the gradient
-// kernel reads them again: by then the chunk has long left the 50 MB L2. Here the two take turns in
-// one launch: CTAs claim work items in a fixed order, LAG bands of PR rows of loss rows (a row an
-// item, loss_row as the loss kernel computes it) ahead of the gradient tiles of the band LAG behind
-// (an item is two of grad_tile's tiles, a half of the CTA each), so that a band's logits are still in
-// L2 when its gradient reads them. A gradient item waits until its band's rows all have their lse
-// (a counter per band). Items are claimed in order by running CTAs and a loss item waits for nothing,
-// so every item a CTA waits for is already being worked on: no deadlock. Every value is computed as
-// the two kernels compute it (the same bits); only the order of the work changes.
-
-constexpr int PR = GR, LAG = 2;  // rows a band (a gradient tile's); bands the losses run ahead
-// the launch's int workspace: the claim counter, the CTAs done, then a counter per band (zero before
-// the first launch; the last CTA out leaves it zero again)
-inline int64_t pipelined_ints(int rows) { return 2 + (rows + PR - 1) / PR; }
-
-// The order of the items: bands 0..lag-1 of loss rows, then (the loss rows of band b, the gradient
-// items of band b - lag) for b = lag..bands-1, then the gradient items of the last lag bands
-struct Order {
-    int bands, lag, pairs, head, mid, total;
-    __host__ __device__ Order(int rows, int vocab) {
-        bands = (rows + PR - 1) / PR, lag = bands < LAG ? bands : LAG;
-        pairs = ((vocab + GC * GT - 1) / (GC * GT) + 1) / 2;  // gradient items a band: two column groups each
-        head = lag * PR, mid = (bands - lag) * (PR + pairs), total = head + mid + lag * pairs;
-    }
-    struct Item {
-        bool loss;
-        int band, k;  // the band; its row (loss) or its pair of column groups (gradient)
-    };
-    __device__ Item item(int it) const {
-        if (it < head) return {true, it / PR, it % PR};
-        int j = it - head;
-        if (j < mid) {
-            const int stage = j / (PR + pairs), o = j % (PR + pairs);
-            return o < PR ? Item{true, lag + stage, o} : Item{false, stage, o - PR};
-        }
-        j -= mid;
-        return {false, bands - lag + j / pairs, j % pairs};
-    }
-};
-
-// MIN_BLOCKS: CTAs an SM the registers are capped for (1: 128 registers, 2: 64, with some spills)
-template <int MIN_BLOCKS>
-__global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-    pipelined_fp8_kernel(const Params p, uint8_t* g8, int64_t ld8, uint8_t* g8t, int64_t ld8t, float inv_grad_s, int* sync) {
-    __shared__ float red[THREADS / 32];
-    __shared__ __align__(16) uint8_t tile[2][2][GC * GPITCH];  // a half's double-buffered tile each
-    __shared__ int item_s;
-    const int t = threadIdx.x, half = t / 256;
-    const int groups = (p.vocab + GC * GT - 1) / (GC * GT);
-    const Order order(p.rows, p.vocab);
-    int* claims = sync;
-    int* done = sync + 1;
-    int* band_rows = sync + 2;
-    for (;;) {
-        if (t == 0) {
-            const int it = atomicAdd(claims, 1);
-            const Order::Item item = order.item(it);
-            if (it < order.total && !item.loss) {  // a gradient item waits for its band's lse
-                int rows_done;
-                do {
-                    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(rows_done) : "l"(band_rows + item.band) : "memory");
-                    if (rows_done < PR) __nanosleep(128);
-                } while (rows_done < PR);
-            }
-            item_s = it;
-        }
-        __syncthreads();
-        const int it = item_s;
-        if (it >= order.total) break;
-        const auto [loss, band, k] = order.item(it);
-        if (loss) {
-            const int row = band * PR + k;
-            if (row < p.rows) loss_row<true>(p, row, red);  // (thread 0 writes the row's lse)
-            if (t == 0) {
-                __threadfence();
-                atomicAdd(band_rows + band, 1);  // rows past the end count too: each band counts to PR
-            }
-        } else if (2 * k + half < groups) {
-            grad_tile(p, g8, ld8, g8t, ld8t, inv_grad_s, 2 * k + half, band, t % 256, tile[half], 1 + half);
-        }
-        __syncthreads();  // item_s and red are reused
-    }
-    if (t == 0 && atomicAdd(done, 1) == (int)gridDim.x - 1) {  // the last CTA out: zero for the next launch
-        *claims = 0, *done = 0;
-        for (int b = 0; b < order.bands; ++b) band_rows[b] = 0;
     }
 }
 
@@ -1433,30 +1329,6 @@ inline cudaError_t softcapped_ce_grad_fp8(const ce::Params& p, uint8_t* g8, int6
         return cudaErrorInvalidValue;
     dim3 grid((p.vocab + ce::GC * ce::GT - 1) / (ce::GC * ce::GT), (p.rows + ce::GR - 1) / ce::GR);
     ce::grad_fp8_kernel<<<grid, 256, 0, stream>>>(p, g8, ld8, g8t, ld8t, 1.f / grad_s);
-    return cudaGetLastError();
-}
-
-// softcapped_cross_entropy then softcapped_ce_grad_fp8 (training), in one launch whose gradient reads
-// the logits from L2 (ce::pipelined_fp8_kernel): the same arguments and the same bits, plus `sync`:
-// ce::pipelined_ints(p.rows) ints, zero before the first call (each call leaves them zero).
-// min_blocks: 1 or 2 CTAs an SM (pipelined_fp8_kernel's MIN_BLOCKS).
-inline cudaError_t softcapped_ce_pipelined_fp8(const ce::Params& p, uint8_t* g8, int64_t ld8, uint8_t* g8t, int64_t ld8t,
-                                               float grad_s, int* sync, cudaStream_t stream, int min_blocks = 1) {
-    if (p.rows % 16 || p.vocab % 8 || p.ld % 8 || ld8 % 16 || ld8t % 16 || !p.lse || !p.fast_softcap || !sync ||
-        p.n_predict < 1 || p.n_predict > ce::MAX_PREDICT || (min_blocks != 1 && min_blocks != 2))
-        return cudaErrorInvalidValue;
-    if (p.rows == 0) return cudaSuccess;
-    static int per_sm[3] = {};
-    if (!per_sm[min_blocks])
-        if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                &per_sm[min_blocks], min_blocks == 1 ? ce::pipelined_fp8_kernel<1> : ce::pipelined_fp8_kernel<2>,
-                ce::THREADS, 0))
-            return e;
-    if (per_sm[min_blocks] < 1) return cudaErrorInvalidConfiguration;
-    // every CTA resident at once (a waiting CTA must not keep another from starting)
-    const int grid = std::min(ce::Order(p.rows, p.vocab).total, per_sm[min_blocks] * tk::num_sms());
-    if (min_blocks == 1) ce::pipelined_fp8_kernel<1><<<grid, ce::THREADS, 0, stream>>>(p, g8, ld8, g8t, ld8t, 1.f / grad_s, sync);
-    else ce::pipelined_fp8_kernel<2><<<grid, ce::THREADS, 0, stream>>>(p, g8, ld8, g8t, ld8t, 1.f / grad_s, sync);
     return cudaGetLastError();
 }
 

@@ -3,8 +3,6 @@
 //   mpirun -np 2 ./tests/bench_gpu        the optimizer step at world size 2 (NCCL) against world size 1
 //   ./tests/bench_gpu --profile-once T    one forward + backward of T tokens between cudaProfilerStart/Stop
 //                                         (for ncu --profile-from-start off)
-//   ./tests/bench_gpu --graph-probe T      the backward of T tokens launched and as one CUDA graph
-//   ./tests/bench_gpu --ce-probe           training's cross-entropy on one chunk: two kernels, one launch
 
 #define TRAIN_GPT_NO_MAIN
 #include "../train_gpt.cu"
@@ -112,7 +110,7 @@ static void bench_model(Gemms& gemms, const char* gemm_choice) {
            (free0 - free1) / 1073741824.0);
 }
 
-// The model (initial weights) and one micro-batch of T tokens at the given windows, for the probes below
+// The model (initial weights) and one micro-batch of T tokens at the given windows (--profile-once)
 struct ProbeModel {
     Hyperparameters args;
     Gemms gemms;
@@ -145,92 +143,6 @@ static void profile_once(int T, int ws_short, int ws_long) {
                    std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     }
     CUDA_CHECK(cudaProfilerStop());
-}
-
-// logits-like bf16 values (about N(0, 3)) from a hash of the index
-__global__ void fill_logits_kernel(__nv_bfloat16* x, int64_t n, uint32_t seed) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        uint32_t h = (uint32_t)i * 2654435761u ^ seed;
-        h ^= h >> 15, h *= 2246822519u, h ^= h >> 13, h *= 3266489917u, h ^= h >> 16;
-        x[i] = __float2bfloat16(((h & 0xffff) / 65536.f + (h >> 16) / 65536.f - 1.f) * 6.f);
-    }
-}
-
-// Training's cross-entropy over one chunk of the model's logits (8192 x 50304): the loss kernel, the
-// loss and gradient kernels, and both in one launch (--ce_one_launch) at either register cap
-static void ce_probe() {
-    const int rows = 8192, V = 50304;
-    __nv_bfloat16* logits;
-    CUDA_CHECK(cudaMalloc(&logits, (size_t)rows * V * 2));
-    fill_logits_kernel<<<1024, 256>>>(logits, (int64_t)rows * V, 7);
-    CUDA_CHECK(cudaGetLastError());
-    std::vector<int> tg(rows + 8);
-    for (size_t i = 0; i < tg.size(); ++i) tg[i] = (int)((i * 2654435761u) % V);
-    int *targets, *sync;
-    float *losses, *lse;
-    uint8_t *g8, *g8t;
-    CUDA_CHECK(cudaMalloc(&targets, tg.size() * 4));
-    CUDA_CHECK(cudaMemcpy(targets, tg.data(), tg.size() * 4, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMalloc(&sync, ce::pipelined_ints(rows) * sizeof(int)));
-    CUDA_CHECK(cudaMemset(sync, 0, ce::pipelined_ints(rows) * sizeof(int)));
-    CUDA_CHECK(cudaMalloc(&losses, rows * 4));
-    CUDA_CHECK(cudaMalloc(&lse, rows * 4));
-    CUDA_CHECK(cudaMalloc(&g8, (size_t)rows * V));
-    CUDA_CHECK(cudaMalloc(&g8t, (size_t)rows * V));
-    ce::Params p{};
-    p.logits = logits, p.ld = V, p.targets = targets, p.rows = rows, p.target_rows = rows + 3, p.vocab = V;
-    p.n_predict = 3, p.w[0] = 1.f, p.w[1] = 0.5f, p.w[2] = 0.25f, p.a = 23.f, p.b = 5.f, p.c = 7.5f;
-    p.losses = losses, p.lse = lse, p.grad_scale = 0.125f, p.fast_softcap = true;
-    const float gs = 0.75f / 448;
-    printf("\nTraining's cross-entropy, one chunk of %d x %d logits (ms): loss %.3f, loss + gradient %.3f, one launch "
-           "%.3f (1 CTA an SM) %.3f (2)\n",
-           rows, V, time_ms([&] { CUDA_CHECK(softcapped_cross_entropy(p, 0)); }), time_ms([&] {
-               CUDA_CHECK(softcapped_cross_entropy(p, 0));
-               CUDA_CHECK(softcapped_ce_grad_fp8(p, g8, V, g8t, rows, gs, 0));
-           }),
-           time_ms([&] { CUDA_CHECK(softcapped_ce_pipelined_fp8(p, g8, V, g8t, rows, gs, sync, 0, 1)); }),
-           time_ms([&] { CUDA_CHECK(softcapped_ce_pipelined_fp8(p, g8, V, g8t, rows, gs, sync, 0, 2)); }));
-    for (void* q : {(void*)logits, (void*)targets, (void*)sync, (void*)losses, (void*)lse, (void*)g8, (void*)g8t})
-        CUDA_CHECK(cudaFree(q));
-}
-
-// The backward of one micro-batch launched kernel by kernel on a stream, and as the trainer's CUDA
-// graph (--cuda_graphs): the difference is the time the launches leave between kernels.
-static void graph_probe(int T, int ws_short, int ws_long) {
-    ProbeModel pm(T, ws_short, ws_long);
-    Model& model = pm.model;
-    const DeviceBatch& b = pm.b;
-    const ForwardArgs& fa = pm.fa;
-    cudaStream_t s;
-    CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    cudaEvent_t e0, e1;
-    CUDA_CHECK(cudaEventCreate(&e0));
-    CUDA_CHECK(cudaEventCreate(&e1));
-    auto timed = [&](bool graphs) {
-        pm.args.cuda_graphs = graphs;  // (the model reads its flags at each call)
-        // two untimed: the first tunes the GEMMs (and is launched), the second is captured
-        for (int i = 0; i < 2; ++i) model.forward(b.tokens, b.cu, b.cu_len, T, fa, s), model.backward(s);
-        std::vector<float> ts;
-        for (int i = 0; i < 7; ++i) {
-            model.forward(b.tokens, b.cu, b.cu_len, T, fa, s);
-            CUDA_CHECK(cudaStreamSynchronize(s));
-            CUDA_CHECK(cudaEventRecord(e0, s));
-            model.backward(s);
-            CUDA_CHECK(cudaEventRecord(e1, s));
-            CUDA_CHECK(cudaEventSynchronize(e1));
-            float ms;
-            CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-            ts.push_back(ms);
-        }
-        std::sort(ts.begin(), ts.end());
-        return ts[ts.size() / 2];
-    };
-    const float t_launched = timed(false), t_graph = timed(true);
-    printf("backward of %d tokens (windows %d / %d blocks): launched %.3f ms, one CUDA graph %.3f ms\n", T, ws_short,
-           ws_long, t_launched, t_graph);
-    CUDA_CHECK(cudaEventDestroy(e0));
-    CUDA_CHECK(cudaEventDestroy(e1));
-    CUDA_CHECK(cudaStreamDestroy(s));
 }
 
 // A whole optimizer step over the record-61 parameters: a NorMuon-only step and an Adam step, at
@@ -270,14 +182,6 @@ int main(int argc, char** argv) {
     int ngpu = 0;
     if (cudaGetDeviceCount(&ngpu) != cudaSuccess || ngpu == 0) {
         printf("SKIP: no CUDA GPU here; the GPU benchmarks need one\n");
-        return 0;
-    }
-    if (argc == 2 && std::string(argv[1]) == "--ce-probe") {
-        ce_probe();
-        return 0;
-    }
-    if ((argc == 3 || argc == 5) && std::string(argv[1]) == "--graph-probe") {  // T [ws_short ws_long]
-        graph_probe(atoi(argv[2]), argc == 5 ? atoi(argv[3]) : 1, argc == 5 ? atoi(argv[4]) : 3);
         return 0;
     }
     if ((argc == 3 || argc == 5) && std::string(argv[1]) == "--profile-once") {  // T [ws_short ws_long]
@@ -337,7 +241,6 @@ int main(int argc, char** argv) {
     }
     bench_model(gemms, "tuned on the first call");
     printf("  %s\n", gemms.tuning_report().c_str());
-    ce_probe();
     printf("\nAdam on one GPU\n");
     struct AdamParam { const char* name; int64_t n; };
     for (AdamParam ap : {AdamParam{"embed (50304x768)", 50304LL * 768}, AdamParam{"ve0..2 (3x50304x768)", 3LL * 50304 * 768},

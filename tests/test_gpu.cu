@@ -383,24 +383,6 @@ static void ce_case(const char* name, int rows, int vocab, std::vector<float> w,
     }
     printf("  cross-entropy %-28s rows %4d vocab %6d  rel err: loss %.1e fp8 grad %.1e (e5m2 values off by one step: %lld)\n",
            name, rows, vocab, e_loss, e_grad, (long long)off_by_one);
-    if (train) {  // training's one-launch kernel (both register caps), twice each: the same bits as the two kernels
-        const std::vector<uint8_t> h8 = g8.download(), h8t = g8t.download();
-        const std::vector<float> hl = dloss.download(), hs = dlse.download();
-        DeviceArray<int> sync(std::vector<int>(ce::pipelined_ints(rows), 0));
-        for (int mb : {1, 2})
-            for (int rep = 0; rep < 2; ++rep) {
-                dloss.poison(), dlse.poison();
-                CUDA_CHECK(cudaMemset(g8.ptr, 0x7f, g8.n));
-                CUDA_CHECK(cudaMemset(g8t.ptr, 0x7f, g8t.n));
-                CUDA_CHECK(softcapped_ce_pipelined_fp8(p, g8.ptr, ld8, g8t.ptr, ld8t, grad_s, sync.ptr, 0, mb));
-                CUDA_CHECK(cudaDeviceSynchronize());
-                const bool same = g8.download() == h8 && g8t.download() == h8t && dloss.download() == hl && dlse.download() == hs;
-                const bool reset = sync.download() == std::vector<int>(ce::pipelined_ints(rows), 0);
-                CHECK(same && reset, "%s: the one-launch cross-entropy (%d CTAs an SM, call %d) %s%s", name, mb, rep + 1,
-                      same ? "" : "differs from the two kernels", reset ? "" : " left its counters set");
-            }
-        printf("  cross-entropy %-28s one launch, gradient from L2: the same bits as the two kernels\n", name);
-    }
     CHECK(e_loss < 1e-5 && e_grad < 0.1 && wrong == 0 && off_by_one * 1000 <= (int64_t)rows * vocab && not_transposed == 0,
           "%s: cross-entropy differs from the fp64 reference (loss %.2e, fp8 grad %.2e, %lld values wrong, %lld off by "
           "one, %lld not transposed)", name, e_loss, e_grad, (long long)wrong, (long long)off_by_one, (long long)not_transposed);
@@ -1517,30 +1499,6 @@ static void test_model_forward(const std::string& dir) {
         fwrite(h.data(), 1, h.size(), f);
         fclose(f);
     }
-    {  // the backward above was launched kernel by kernel; with --cuda_graphs the next is too (the first
-       // with these inputs), the one after is captured as a CUDA graph and the third replays it: the same bits
-        std::vector<std::vector<char>> launched;
-        for (Param& p : params.all()) {
-            launched.emplace_back(p.bytes());
-            CUDA_CHECK(cudaMemcpy(launched.back().data(), p.grad, p.bytes(), cudaMemcpyDeviceToHost));
-        }
-        args.cuda_graphs = true;  // (the model reads its flags at each call)
-        for (int call = 0; call < 3; ++call) {
-            for (Param& p : params.all()) CUDA_CHECK(cudaMemset(p.grad, 0, p.bytes()));
-            model.forward(dt.ptr, dcu.ptr, (int)cu.size(), T, fa, s);
-            model.backward(s);
-        }
-        CUDA_CHECK(cudaStreamSynchronize(s));
-        int differ = 0, k = 0;
-        for (Param& p : params.all()) {
-            std::vector<char> h(p.bytes());
-            CUDA_CHECK(cudaMemcpy(h.data(), p.grad, p.bytes(), cudaMemcpyDeviceToHost));
-            differ += h != launched[k++];
-        }
-        printf("  backward as a CUDA graph (captured, then replayed): %s\n", differ ? "DIFFERENT" : "the same bits");
-        args.cuda_graphs = false;
-        CHECK(differ == 0, "the backward's CUDA graph: %d parameters' gradients differ from launched", differ);
-    }
     fa.training = false;
     const float eval = model.forward(dt.ptr, dcu.ptr, (int)cu.size(), T, fa, s);
     CUDA_CHECK(cudaStreamDestroy(s));
@@ -1780,7 +1738,6 @@ static void test_model_kernels() {
     ce_case("train, 2 MTP weights", 80, 50304, {1.f, 0.25f}, true, 2);
     ce_case("train, 1 weight", 16, 4104, {1.f}, true, 3);
     ce_case("evaluation", 33, 50304, {1.f}, false, 4);
-    ce_case("train, 5 bands of 64 rows", 304, 4104, {1.f, 0.5f, 0.25f}, true, 5);  // more bands than LAG
     rmsnorm_case(37, 768, 5);
     rmsnorm_case(1001, 768, 6);
     rmsnorm_case(5, 256, 7);
