@@ -107,6 +107,9 @@ extern char** environ;
       "time each GEMM shape's cuBLASLt candidates on its first call (false: the heuristic's first choice)")         \
     X(I64, gemm_candidates, 8, "how many of cuBLASLt's heuristic candidates autotune times per GEMM shape (1-64)")  \
     X(BOOL, fused_mlp, true, "the MLP's c_fc GEMM with ReLU^2 in its epilogue, and its backward's (false: cuBLASLt + a pass)") \
+    X(BOOL, overlap_wgrad, true,                                                                                    \
+      "the backward's weight-gradient GEMMs on a second stream, beside the data gradients (not while profiling)")  \
+    X(I64, logit_chunk_rows, 8192, "rows of logits the lm_head makes and the loss consumes at a time (a multiple of 16)") \
     /* attention masking (windows in blocks of block_size tokens) */                                                \
     X(I64, block_size, 128, "attention window unit in tokens")                                                      \
     X(I64_LIST, ws_schedule, LIST(3, 7, 11), "long window (blocks) by equal parts of the scheduled steps")          \
@@ -561,6 +564,8 @@ static void validate_args(const Hyperparameters& a, int world_size) {
     non_negative("val_loss_every", a.val_loss_every);
     non_negative("checkpoint_every", a.checkpoint_every);
     non_negative("profile_steps", a.profile_steps);
+    positive("logit_chunk_rows", a.logit_chunk_rows);
+    if (a.logit_chunk_rows % 16) fail(strprintf("--logit_chunk_rows must be a multiple of 16 (fp8 GEMMs), got %lld", (long long)a.logit_chunk_rows));
     if (a.ws_schedule.empty()) fail("--ws_schedule must hold at least one window");
     for (int64_t w : a.ws_schedule) positive("ws_schedule", w);
     positive("ws_final", a.ws_final);
@@ -754,6 +759,7 @@ class Gemms {
     }
     ~Gemms() {
         for (auto& [key, plan] : plans_) release(plan);
+        for (auto& [stream, ws] : stream_workspaces_) CUDA_CHECK(cudaFree(ws));
         CUDA_CHECK(cudaFree(workspace_));
         CUBLAS_CHECK(cublasLtDestroy(lt_));
     }
@@ -790,6 +796,14 @@ class Gemms {
         Key key{ta, tb, c_f32 ? CUDA_R_32F : CUDA_R_16BF, Op::N, Op::T, m, n, k, lda, ldb, ldc, fast_accum,
                 align(A), align(B), align(C)};
         run(stream, key, A, B, C, C, 1.f, beta, scale_a, scale_b);
+    }
+
+    // GEMMs on `stream` get a workspace of their own (two streams' GEMMs may run at once)
+    void add_stream(cudaStream_t stream) {
+        if (stream_workspaces_.count(stream)) return;
+        void* ws = nullptr;
+        CUDA_CHECK(cudaMalloc(&ws, workspace_bytes_));
+        stream_workspaces_[stream] = ws;
     }
 
     size_t cached_plans() const { return plans_.size(); }
@@ -1013,8 +1027,8 @@ class Gemms {
         for (size_t i = 0; i < p.candidates.size(); ++i) {
             const cublasLtMatmulAlgo_t& algo = p.candidates[i];
             auto call = [&] {
-                return cublasLtMatmul(lt_, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, D, p.c, &algo, workspace_,
-                                      workspace_bytes_, stream);
+                return cublasLtMatmul(lt_, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, D, p.c, &algo,
+                                      workspace(stream), workspace_bytes_, stream);
             };
             cublasStatus_t st = call();
             if (st == CUBLAS_STATUS_NOT_SUPPORTED) continue;
@@ -1066,7 +1080,7 @@ class Gemms {
         if (own_part) g_profiler->mark(Part::Gemm, stream);
         while (true) {
             cublasStatus_t st = cublasLtMatmul(lt_, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, D, p.c,
-                                               &p.candidates.front(), workspace_, workspace_bytes_, stream);
+                                               &p.candidates.front(), workspace(stream), workspace_bytes_, stream);
             if (st == CUBLAS_STATUS_SUCCESS) {
                 if (own_part) g_profiler->mark(outer, stream);
                 return;
@@ -1077,10 +1091,16 @@ class Gemms {
         }
     }
 
+    void* workspace(cudaStream_t stream) const {
+        auto it = stream_workspaces_.find(stream);
+        return it == stream_workspaces_.end() ? workspace_ : it->second;
+    }
+
     const bool autotune_;
     const int candidates_;
     cublasLtHandle_t lt_ = nullptr;
     void* workspace_ = nullptr;
+    std::map<cudaStream_t, void*> stream_workspaces_;  // add_stream's
     size_t workspace_bytes_;
     std::map<Key, Plan> plans_;
     bool fixed_ = false, frozen_ = false;
@@ -2052,10 +2072,11 @@ class Model {
         ds_ = (__nv_bfloat16*)alloc<unsigned char>((int64_t)ds_bytes_);
         xf8_ = alloc<uint8_t>(T * D), xf8t_ = alloc<uint8_t>(T * D);
         wf8t_ = alloc<uint8_t>(V * D), wf8_ = alloc<uint8_t>(V * D);
-        logits_ = bf((int64_t)LOGIT_ROWS * V);
-        gf8_ = alloc<uint8_t>((int64_t)LOGIT_ROWS * V), gf8t_ = alloc<uint8_t>((int64_t)LOGIT_ROWS * V);
+        logit_rows_ = (int)std::min<int64_t>(args.logit_chunk_rows, (TE + 15) / 16 * 16);
+        logits_ = bf((int64_t)logit_rows_ * V);
+        gf8_ = alloc<uint8_t>((int64_t)logit_rows_ * V), gf8t_ = alloc<uint8_t>((int64_t)logit_rows_ * V);
         lm_grad_ = alloc<float>(V * D);
-        losses_ = alloc<float>(TE), lse_ = alloc<float>(LOGIT_ROWS), loss_ = alloc<float>(1), bad_ = alloc<int>(1);
+        losses_ = alloc<float>(TE), lse_ = alloc<float>(logit_rows_), loss_ = alloc<float>(1), bad_ = alloc<int>(1);
         // backward workspaces
         dx_ = bf(T * D), dx0_ = bf(T * D), dskip_ = bf(T * D), dback_ = bf(T * D), dxn_ = bf(T * D);
         dy_ = bf(T * D), dyg_ = bf(T * D), dq_ = bf(T * D), dk_ = bf(T * D), dqkv_ = bf(T * 3 * D);
@@ -2073,8 +2094,28 @@ class Model {
         // lambdas) and gate sums (each attention layer's output gate and value-embedding gate, skip, smear)
         CUDA_CHECK(deferred_.allocate(1 + NUM_LAYERS + 2 * NUM_ATTN_LAYERS, NUM_ATTN_LAYERS + NUM_VE_LAYERS + 2));
     }
+    ~Model() {
+        if (side_) cudaStreamDestroy(side_);
+        for (cudaEvent_t e : {ev_fork_, ev_cproj_, ev_cfc_, ev_o_, ev_qkv_, ev_head_, ev_join_})
+            if (e) cudaEventDestroy(e);
+    }
     Model(const Model&) = delete;
     Model& operator=(const Model&) = delete;
+
+    // --overlap_wgrad: the weight-gradient GEMMs (the lm_head's, each layer's c_proj, c_fc, O and QKV)
+    // on a second stream, beside the data-gradient chain that does not need them, so that one's
+    // tails, split-k reductions and the elementwise passes share the SMs with the other's tiles. The
+    // same kernels on the same operands: the same bits. The trainer turns it on after the warmup (the
+    // GEMM tuning times each shape alone); profiled steps run everything on one stream.
+    void set_overlap(bool on) {
+        if (on && !side_) {
+            CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+            for (cudaEvent_t* e : {&ev_fork_, &ev_cproj_, &ev_cfc_, &ev_o_, &ev_qkv_, &ev_head_, &ev_join_})
+                CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+            gemms_.add_stream(side_);
+        }
+        overlap_ = on;
+    }
 
     // tokens: T + 1 ids (inputs tokens[0, T), targets tokens[1, T]); cu: cu_len cu_seqlens. Returns
     // the loss (training: the MTP loss summed over tokens times loss_scale; evaluation: the mean).
@@ -2172,7 +2213,9 @@ class Model {
             if (i == BACKOUT_LAYER) CUDA_CHECK(combine(dx_, dx_, dback_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
             if (i == SKIP_IN) CUDA_CHECK(combine(dx_, dx_, dskip_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
             // MLP: out = x_attn + post c_proj
-            gemms_.bf16(s, Op::T, Op::N, 4 * D, D, T, l.post, 4 * D, dx_, D, c_proj_grad(i), D, false, 1.f, 1.f);
+            gemms_.bf16(side(s), Op::T, Op::N, 4 * D, D, T, l.post, 4 * D, dx_, D, c_proj_grad(i), D, false, 1.f, 1.f);
+            side_mark(ev_cproj_);
+            side_wait(ev_cfc_, s);  // dpre: the layer above's c_fc weight gradient has read it
             if (args_.fused_mlp) {
                 fused_gemm_mark(T, 4 * D, D, s);
                 CUDA_CHECK(linear_relu_square_backward(dx_, c_proj(i), T, 4 * D, D, l.pre, dpre_, s));
@@ -2181,15 +2224,18 @@ class Model {
                 gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, dx_, D, c_proj(i), D, dpost_, 4 * D, false);
                 CUDA_CHECK(relu_square_backward(l.pre, dpost_, dpre_, (int64_t)T * 4 * D, s));
             }
-            gemms_.bf16(s, Op::T, Op::N, 4 * D, D, T, dpre_, 4 * D, l.xn_m, D, c_fc_grad(i), D, false, 1.f, 1.f);
+            gemms_.bf16(side(s), Op::T, Op::N, 4 * D, D, T, dpre_, 4 * D, l.xn_m, D, c_fc_grad(i), D, false, 1.f, 1.f);
+            side_mark(ev_cfc_);
             gemms_.bf16(s, Op::N, Op::N, T, D, 4 * D, dpre_, 4 * D, c_fc(i), D, dxn_, D, false);
             // the block's first norm (attention's, or without attention the MLP's) and the mixing
             // x_mix = resid x_in + x0_lambda x0 go back in one pass
             const float* rstd = l.rstd_m;
+            side_wait(ev_cproj_, s);  // dx is rewritten below: c_proj's weight gradient has read it
             if (has_attention(i)) {
                 CUDA_CHECK(rms_norm_backward(l.x_attn, D, dxn_, D, l.rstd_m, dx_, D, T, D, s, true));
                 attention_backward_block(i, s);  // dxn_: the gradient of norm(x_mix)
                 rstd = l.rstd_a;
+                side_wait(ev_o_, s);  // and O's
             }
             CUDA_CHECK(norm_mix_backward(dxn_, rstd, dx_, l.x_in, x0_, dx0_, i == NUM_LAYERS - 1, T, {scalars + SCALAR_RESID + i, 1.f, 0.f},
                                          {x0_lambdas + i, 1.f, 0.f}, gscalars + SCALAR_RESID + i, gx0l + i, nullptr, s, &deferred_));
@@ -2199,7 +2245,10 @@ class Model {
                 sk.dz = dz_, sk.dlam_rows = dlam_rows_;
                 CUDA_CHECK(gate_backward(GateKind::Skip, sk, dx0_, D, bf(p_["skip_gate"].grad), gscalars + SCALAR_SKIP, s, &deferred_));
             }
-            if (grad_ready_) grad_ready_(ReducePoint::AfterLayer, i, s);  // layer i's bank slices are final
+            if (grad_ready_) {  // layer i's bank slices are final
+                side_join(s);
+                grad_ready_(ReducePoint::AfterLayer, i, s);
+            }
         }
         for (int k = 0; k < NUM_VALUE_EMBEDS; ++k)  // (a table no layer reads has a zero gradient)
             if (!dve_written_[k]) CUDA_CHECK(cudaMemsetAsync(dve_[k], 0, TD * 2, s));
@@ -2210,6 +2259,7 @@ class Model {
         gate::Params sm = row_gate(T, emb_, bf(p_["smear_gate"].data), scalars + SCALAR_SMEAR);
         sm.a = emb_, sm.dout = dx_, sm.ld_dout = D, sm.da = demb_, sm.ld_da = D, sm.dz = dz_, sm.dlam_rows = dlam_rows_;
         CUDA_CHECK(gate_backward(GateKind::Smear, sm, demb_, D, bf(p_["smear_gate"].grad), gscalars + SCALAR_SMEAR, s, &deferred_));
+        side_join(s);  // every weight gradient (and the side stream's deferred sums) before the sums' finish
         CUDA_CHECK(deferred_.finish(s));  // the scalar and gate-weight gradients of every pass above
         // embeddings: one sort of the token ids serves the four tables
         profile_mark(Part::EmbedBwd, s);
@@ -2229,7 +2279,7 @@ class Model {
     const __nv_bfloat16* final_hidden() const { return xn_; }
 
    private:
-    static constexpr int LOGIT_ROWS = 8192;  // the logits are made and consumed in chunks of rows
+    int logit_rows_ = 0;  // the logits are made and consumed in chunks of rows (--logit_chunk_rows)
 
     struct Layer {
         __nv_bfloat16 *x_in, *x_mix, *x_attn, *xn_m, *pre, *post;           // every layer
@@ -2259,6 +2309,24 @@ class Model {
     __nv_bfloat16* attn_gate_grad(int i) { return bf(p_["attn_gate_bank"].grad) + attn_slot(i) * NUM_HEADS * gate::GW; }
     const __nv_bfloat16* ve_gate_w(int i) { return bf(p_["ve_gate_bank"].data) + ve_gate_slot(i) * NUM_HEADS * gate::GW; }
     __nv_bfloat16* ve_gate_grad(int i) { return bf(p_["ve_gate_bank"].grad) + ve_gate_slot(i) * NUM_HEADS * gate::GW; }
+
+    // --overlap_wgrad's streams: side(s) is the stream for work that may run beside s from this point
+    // on (s itself when not overlapping); side_mark(e) marks the side stream's work so far as e,
+    // side_wait(e, s) makes s wait for it (before s rewrites what that work reads), side_join(s) for all
+    bool overlapping() const { return overlap_ && !g_profiler; }
+    cudaStream_t side(cudaStream_t s) {
+        if (!overlapping()) return s;
+        CUDA_CHECK(cudaEventRecord(ev_fork_, s));
+        CUDA_CHECK(cudaStreamWaitEvent(side_, ev_fork_, 0));
+        return side_;
+    }
+    void side_mark(cudaEvent_t e) {
+        if (overlapping()) CUDA_CHECK(cudaEventRecord(e, side_));
+    }
+    void side_wait(cudaEvent_t e, cudaStream_t s) {
+        if (overlapping()) CUDA_CHECK(cudaStreamWaitEvent(s, e, 0));
+    }
+    void side_join(cudaStream_t s) { side_mark(ev_join_), side_wait(ev_join_, s); }
 
     // profiled: a fused GEMM's time and flops count as the model's GEMMs (the caller marks the part after it)
     static void fused_gemm_mark(int64_t m, int64_t n, int64_t k, cudaStream_t s) {
@@ -2355,9 +2423,11 @@ class Model {
         // O projection with W'o = sa1 Wo (the forward's): dyg = dx W'o, dW'o = dx^T yg
         const __nv_bfloat16 *wqkv = scaled_qkvo(i), *wo = wqkv + 3 * D * D;
         gemms_.bf16(s, Op::N, Op::N, T, D, D, dx_, D, wo, D, dyg_, D, false);
-        gemms_.bf16(s, Op::T, Op::N, D, D, T, dx_, D, l.yg, D, dw_, D, true);
+        cudaStream_t w = side(s);
+        gemms_.bf16(w, Op::T, Op::N, D, D, T, dx_, D, l.yg, D, dw_, D, true);
         CUDA_CHECK(scale_weight_backward(dw_, attn_w(i) + 3 * D * D, attn_grad(i) + 3 * D * D, D * D,
-                                         scalars + SCALAR_SA + 2 * i + 1, gscalars + SCALAR_SA + 2 * i + 1, nullptr, s, &deferred_));
+                                         scalars + SCALAR_SA + 2 * i + 1, gscalars + SCALAR_SA + 2 * i + 1, nullptr, w, &deferred_));
+        side_mark(ev_o_);
         // output gate: dy (its input gradient joins dxn after the QKV backward: dz kept till then)
         gate::Params og = head_gate(i, attn_gate_w(i));
         og.a = l.y, og.dout = dyg_, og.da = dy_, og.dz = dz_;
@@ -2368,6 +2438,7 @@ class Model {
         if (attention_ds_bytes(ap.positions, ap.cu_len, ap.heads, ap.window) > ds_bytes_)
             fail(strprintf("attention backward: window %d exceeds the %d the dS workspace was sized for", ap.window,
                            max_window_));
+        side_wait(ev_qkv_, s);  // attention writes dv into dqkv: the layer above's QKV weight gradient has read it
         profile_mark(Part::AttentionBwd, s);
         CUDA_CHECK(attention_backward(ap, s, true));
         profile_mark(Part::Elementwise, s);
@@ -2388,9 +2459,11 @@ class Model {
         gemms_.bf16(s, Op::N, Op::N, T, D, 3 * D, dqkv_, 3 * D, wqkv, D, dxn_, D, false);
         CUDA_CHECK(gate_input_grad(og, dxn_, D, s));
         if (has_value_embed(i)) CUDA_CHECK(gate_input_grad(vg, dxn_, D, s));
-        gemms_.bf16(s, Op::T, Op::N, 3 * D, D, T, dqkv_, 3 * D, l.xn_a, D, dw_, D, true);
+        w = side(s);
+        gemms_.bf16(w, Op::T, Op::N, 3 * D, D, T, dqkv_, 3 * D, l.xn_a, D, dw_, D, true);
         CUDA_CHECK(scale_weight_backward(dw_, attn_w(i), attn_grad(i), 3 * D * D, scalars + SCALAR_SA + 2 * i,
-                                         gscalars + SCALAR_SA + 2 * i, nullptr, s, &deferred_));
+                                         gscalars + SCALAR_SA + 2 * i, nullptr, w, &deferred_));
+        side_mark(ev_qkv_);
     }
 
     // lm_head (fp8 in training, @YouJiacheng; transposed weight, @ChrisJMcCormick) on norm(x) in
@@ -2406,6 +2479,7 @@ class Model {
         const bool training = fa_.training;
         profile_mark(Part::Head, s);
         if (training) {
+            side_wait(ev_head_, s);  // (a training forward with no backward after it: its weight gradient reads x^T)
             CUDA_CHECK(cast_to_fp8(xn_, D, xf8_, D, T, D, (float)args_.lm_head_x_s, false, false, s));
             CUDA_CHECK(cast_to_fp8(xn_, D, xf8t_, T, T, D, (float)args_.lm_head_x_s, false, true, s));
             if (fa_.first_micro) {
@@ -2413,8 +2487,8 @@ class Model {
                 CUDA_CHECK(cast_to_fp8(lm_head, V, wf8_, V, D, V, (float)args_.lm_head_w_s, false, false, s));
             }
         }
-        for (int r0 = 0; r0 < T; r0 += LOGIT_ROWS) {
-            const int rows = std::min(LOGIT_ROWS, T - r0);
+        for (int r0 = 0; r0 < T; r0 += logit_rows_) {
+            const int rows = std::min(logit_rows_, T - r0);
             if (training)
                 gemms_.fp8(s, rows, V, D, xf8_ + (int64_t)r0 * D, CUDA_R_8F_E4M3, D, wf8t_, CUDA_R_8F_E4M3, D, logits_, V,
                            false, scales_[0], scales_[1], true);
@@ -2431,18 +2505,27 @@ class Model {
             cp.lse = training ? lse_ : nullptr, cp.grad_scale = fa_.loss_scale, cp.fast_softcap = training;
             profile_mark(Part::Loss, s);
             CUDA_CHECK(softcapped_cross_entropy(cp, s));
-            if (training)  // the gradient of the logits, e5m2, in the two layouts of the GEMMs below
+            if (training) {  // the gradient of the logits, e5m2, in the two layouts of the GEMMs below
+                side_wait(ev_head_, s);  // (the last chunk's weight gradient has read g^T)
                 CUDA_CHECK(softcapped_ce_grad_fp8(cp, gf8_, V, gf8t_, rows, (float)args_.lm_head_grad_s, s));
+            }
             profile_mark(Part::Head, s);
             if (!training) continue;
             // d norm(x) = g w^T; d lm_head = x^T g (fp32, as the record's grad_w: the first chunk writes it)
             gemms_.fp8(s, rows, D, V, gf8_, CUDA_R_8F_E5M2, V, wf8_, CUDA_R_8F_E4M3, V, dxn_head_ + (int64_t)r0 * D, D,
                        false, scales_[2], scales_[1], false);
-            gemms_.fp8(s, D, V, rows, xf8t_ + r0, CUDA_R_8F_E4M3, T, gf8t_, CUDA_R_8F_E5M2, rows, lm_grad_, V, true,
+            gemms_.fp8(side(s), D, V, rows, xf8t_ + r0, CUDA_R_8F_E4M3, T, gf8t_, CUDA_R_8F_E5M2, rows, lm_grad_, V, true,
                        scales_[0], scales_[2], false, r0 > 0 ? 1.f : 0.f);
+            side_mark(ev_head_);
         }
-        if (training) CUDA_CHECK(add_to_bf16(bf(p_["lm_head"].grad), lm_grad_, V * D, s));
-        if (training && grad_ready_) grad_ready_(ReducePoint::AfterHead, -1, s);  // lm_head's gradient is final
+        if (training) {
+            CUDA_CHECK(add_to_bf16(bf(p_["lm_head"].grad), lm_grad_, V * D, side(s)));
+            side_mark(ev_head_);
+        }
+        if (training && grad_ready_) {  // lm_head's gradient is final
+            side_wait(ev_head_, s);
+            grad_ready_(ReducePoint::AfterHead, -1, s);
+        }
         profile_mark(Part::Loss, s);
         CUDA_CHECK(sum_floats(losses_, T, loss_, training ? fa_.loss_scale : 1.f / T, s));
         float loss;
@@ -2490,6 +2573,12 @@ class Model {
     std::unique_ptr<EmbeddingBackward> embed_bwd_;
     DeferredSums deferred_;  // the backward's scalar and gate-weight sums (their partial sums too), added at its end
     std::function<void(ReducePoint, int, cudaStream_t)> grad_ready_;
+    bool overlap_ = false;
+    cudaStream_t side_ = nullptr;
+    // the side stream's marks: the weight gradients that read the head's g^T, dx (c_proj's, O's),
+    // dpre (c_fc's) and dqkv (QKV's)
+    cudaEvent_t ev_fork_ = nullptr, ev_cproj_ = nullptr, ev_cfc_ = nullptr, ev_o_ = nullptr, ev_qkv_ = nullptr,
+                ev_head_ = nullptr, ev_join_ = nullptr;
 };
 
 // -----------------------------------------------------------------------------
@@ -4182,6 +4271,7 @@ static int trainer_main(int argc, char** argv) {
     print0("# gemm plan\n" + gemm_plan + "# end gemm plan");
     peak_mib();
     print0("resetting the model", true);
+    model.set_overlap(args.overlap_wgrad);  // after the GEMM tuning, which times each shape alone
     params.load_initial_state(stream);
     training_manager.reset();
     CUDA_CHECK(cudaStreamSynchronize(stream));

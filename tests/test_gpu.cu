@@ -1499,6 +1499,35 @@ static void test_model_forward(const std::string& dir) {
         fwrite(h.data(), 1, h.size(), f);
         fclose(f);
     }
+    {  // --overlap_wgrad: the weight gradients on a second stream give the one-stream backward's bits,
+       // here with the logits in chunks of 1008 rows (--logit_chunk_rows: the head's weight gradient
+       // of one chunk runs beside the next chunk's loss), each way twice (the second after the first's
+       // side-stream work)
+        Hyperparameters chunked = args;
+        chunked.logit_chunk_rows = 1008;
+        Model m2(params, gemms, chunked, T, 0, (int)cu.size());
+        std::vector<std::vector<char>> one_stream;
+        int differ = 0;
+        for (int overlap = 0; overlap < 2; ++overlap) {
+            m2.set_overlap(overlap == 1);
+            for (int call = 0; call < 2; ++call) {
+                for (Param& p : params.all()) CUDA_CHECK(cudaMemsetAsync(p.grad, 0, p.bytes(), s));
+                m2.forward(dt.ptr, dcu.ptr, (int)cu.size(), T, fa, s);
+                m2.backward(s);
+            }
+            CUDA_CHECK(cudaStreamSynchronize(s));
+            size_t k = 0;
+            for (Param& p : params.all()) {
+                std::vector<char> h(p.bytes());
+                CUDA_CHECK(cudaMemcpy(h.data(), p.grad, p.bytes(), cudaMemcpyDeviceToHost));
+                if (overlap == 0) one_stream.push_back(std::move(h));
+                else differ += h != one_stream[k++];
+            }
+        }
+        printf("  backward with the weight gradients on a second stream, logits in chunks of 1008 rows: %s\n",
+               differ ? "DIFFERENT" : "the one-stream bits");
+        CHECK(differ == 0, "--overlap_wgrad: %d parameters' gradients differ from the one-stream backward's", differ);
+    }
     fa.training = false;
     const float eval = model.forward(dt.ptr, dcu.ptr, (int)cu.size(), T, fa, s);
     CUDA_CHECK(cudaStreamDestroy(s));
