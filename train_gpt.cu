@@ -107,6 +107,8 @@ extern char** environ;
       "time each GEMM shape's cuBLASLt candidates on its first call (false: the heuristic's first choice)")         \
     X(I64, gemm_candidates, 8, "how many of cuBLASLt's heuristic candidates autotune times per GEMM shape (1-64)")  \
     X(BOOL, fused_mlp, true, "the MLP's c_fc GEMM with ReLU^2 in its epilogue, and its backward's (false: cuBLASLt + a pass)") \
+    X(BOOL, mlp_tma_epilogue, false,                                                                                \
+      "the fused MLP GEMMs' tiles stored (and the backward's pre tile loaded) by TMA, not by the threads (same bits)") \
     X(BOOL, overlap_wgrad, true,                                                                                    \
       "the backward's weight-gradient GEMMs on a second stream, beside the data gradients (not while profiling)")  \
     X(I64, logit_chunk_rows, 8192, "rows of logits the lm_head makes and the loss consumes at a time (a multiple of 16)") \
@@ -2174,7 +2176,7 @@ class Model {
             if (attn) CUDA_CHECK(rms_norm_forward(l.x_attn, D, l.xn_m, D, l.rstd_m, T, D, RMS_NORM_EPS, s));
             if (args_.fused_mlp) {
                 fused_gemm_mark(T, 4 * D, D, s);
-                CUDA_CHECK(linear_relu_square_forward(l.xn_m, c_fc(i), T, 4 * D, D, l.pre, l.post, s));
+                CUDA_CHECK(linear_relu_square_forward(l.xn_m, c_fc(i), T, 4 * D, D, l.pre, l.post, s, args_.mlp_tma_epilogue));
                 profile_mark(Part::Elementwise, s);
             } else {
                 gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, l.xn_m, D, c_fc(i), D, l.pre, 4 * D, false);
@@ -2218,7 +2220,7 @@ class Model {
             side_wait(ev_cfc_, s);  // dpre: the layer above's c_fc weight gradient has read it
             if (args_.fused_mlp) {
                 fused_gemm_mark(T, 4 * D, D, s);
-                CUDA_CHECK(linear_relu_square_backward(dx_, c_proj(i), T, 4 * D, D, l.pre, dpre_, s));
+                CUDA_CHECK(linear_relu_square_backward(dx_, c_proj(i), T, 4 * D, D, l.pre, dpre_, s, args_.mlp_tma_epilogue));
                 profile_mark(Part::Elementwise, s);
             } else {
                 gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, dx_, D, c_proj(i), D, dpost_, 4 * D, false);

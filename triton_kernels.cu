@@ -157,6 +157,16 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
         "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
         ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
 }
+// TMA stores of boxes from shared memory, in bulk groups: commit after issuing; before the shared
+// memory is written again, wait until the group's reads of it are done (wait_read), and before the
+// CTA exits until its writes are (wait_all)
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, int c0, int c1, uint32_t src) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
+                 ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(src) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 // A bf16 tensor of `rank` dimensions (dims innermost first, byte strides of the outer ones) as TMA
 // boxes of `box` elements, in the 128-byte swizzle that wgmma reads; coordinates past dims read zeros
 inline CUresult make_tensor_map(CUtensorMap* map, const void* ptr, int rank, const cuuint64_t* dims,
@@ -1493,28 +1503,91 @@ namespace lrs {
 constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4, THREADS = 384;
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int STAGE_ROW = BN * 2 + 16, STAGING_BYTES = BM * STAGE_ROW;  // the epilogue's bf16 tile, rows padded
-constexpr int SMEM = STAGES * STAGE_BYTES + 2 * STAGING_BYTES + 1024 + 8 * (2 * STAGES + 2);  // + alignment, barriers
+constexpr int SMEM = STAGES * STAGE_BYTES + 2 * STAGING_BYTES + 1024 + 8 * (2 * STAGES + 4);  // + alignment, barriers
+static_assert(STAGING_BYTES % 1024 == 0 && STAGING_BYTES >= BM * BN * 2, "a consumer's staging holds two swizzled boxes");
 
 using tk::mbar_arrive, tk::mbar_expect_tx, tk::mbar_init, tk::mbar_wait, tk::tma_load_2d;
+
+// A consumer's accumulators as bf16 into its staging tile, at addr(row, j) for the 4-byte pair of
+// columns 8j + 2 (lane % 4) of a row (accumulator [n8 tile j][e] of rows 0-63 in acc[0..63], of rows
+// 64-127 in acc[64..127], at row warp * 16 + lane / 4, + 8 for e >= 2): the forward's pre, or with POST
+// post = relu(pre)^2 of that bf16 pre; the backward's dpre = 2 relu(pre) bf16(acc) over the pre there
+template <int EPI, bool POST, typename Addr>
+__device__ __forceinline__ void stage_tile(const float* acc, int warp, int lane, Addr addr) {
+#pragma unroll
+    for (int mh = 0; mh < 2; ++mh)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const uint32_t at = addr(64 * mh + warp * 16 + lane / 4 + 8 * h, j);
+                uint32_t v = tk::pack_bf16(acc[64 * mh + 4 * j + 2 * h], acc[64 * mh + 4 * j + 2 * h + 1]);
+                if (EPI == 1 || POST) {
+                    uint32_t pu = v;
+                    if (EPI == 1) asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(pu) : "r"(at));
+                    const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+                    const float2 p = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pu));
+                    v = EPI == 1 ? tk::pack_bf16(2.f * g.x * fmaxf(p.x, 0.f), 2.f * g.y * fmaxf(p.y, 0.f))
+                                 : tk::pack_bf16(fmaxf(p.x, 0.f) * fmaxf(p.x, 0.f), fmaxf(p.y, 0.f) * fmaxf(p.y, 0.f));
+                }
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(v));
+            }
+}
+
+// The TMA epilogue of a consumer's tile: the accumulators (rows 0-63 in acc[0..63], 64-127 in
+// acc[64..127]) as bf16 into the staging's two swizzled 128 x 64 boxes (16-byte chunk c of row r at
+// chunk c ^ (r % 8): a warp's 4-byte stores hit 32 banks), the backward's dpre = 2 relu(pre) bf16(acc)
+// over its pre tile there (loaded on pre_bar); then one thread stores the boxes (the forward: pre,
+// then post = relu(pre)^2 through the same staging once the first stores have read it).
+template <int EPI>
+__device__ __forceinline__ void epilogue_tma(const float* acc, uint32_t tile, uint32_t pre_bar, int pre_parity, int wg,
+                                             int t128, const CUtensorMap* tc0, const CUtensorMap* tc1, int m0, int n0) {
+    const int warp = t128 / 32, lane = t128 % 32;
+    if (EPI == 1) mbar_wait(pre_bar, pre_parity);
+    auto addr = [&](int r, int j) {  // column 8j + 2 (lane % 4) of row r
+        return tile + (j / 8) * (BM * 128) + r * 128 + ((((j % 8) ^ (r & 7))) << 4) + 4 * (lane % 4);
+    };
+    for (int pass = 0; pass < (EPI == 0 ? 2 : 1); ++pass) {
+        if (pass == 1) {  // post: once pre's stores have read the staging
+            if (t128 == 0) tk::bulk_wait_read();
+            asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
+        }
+        if (pass == 0) stage_tile<EPI, false>(acc, warp, lane, addr);
+        else stage_tile<EPI, true>(acc, warp, lane, addr);
+        tk::fence_proxy_async();  // the threads' writes, visible to the TMA unit's reads
+        asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
+        if (t128 == 0) {
+            const CUtensorMap* map = pass == 0 ? tc0 : tc1;
+            tk::tma_store_2d(map, n0, m0, tile);
+            tk::tma_store_2d(map, n0 + 64, m0, tile + BM * 128);
+            tk::bulk_commit();
+        }
+    }
+}
 
 // Persistent, one CTA an SM, in ping-pong (CUTLASS's warp-specialized ping-pong schedule): a producer
 // warp streams the A and B tiles of the CTA's output tiles, in order, through the STAGES buffers; the two
 // consumer warpgroups take the tiles in turn, each a whole 128 x 128 tile, so that one's epilogue (the
 // stores of pre and post, or the loads of pre) runs while the other's MMAs keep the tensor cores busy.
-template <int EPI>
+// TMA (--mlp_tma_epilogue): the tile goes out of shared memory by TMA stores, as two 128 x 64 boxes in
+// the 128-byte swizzle (tc0: c0's map; tc1: c1's, or pre's, whose tile the backward loads by TMA
+// during the MMAs), where the consumer's threads copied it out 16 bytes at a time.
+template <int EPI, bool TMA>
 __global__ void __launch_bounds__(THREADS, 1)
-    gemm_kernel(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb, int M, int N, int K,
+    gemm_kernel(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb,
+                const __grid_constant__ CUtensorMap tc0, const __grid_constant__ CUtensorMap tc1, int M, int N, int K,
                 __nv_bfloat16* c0, __nv_bfloat16* c1, const __nv_bfloat16* pre, int64_t ldc) {
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (tk::smem_u32(smem_raw) + 1023) & ~1023u;
     const uint32_t staging = base + STAGES * STAGE_BYTES;  // each consumer's epilogue tile
-    // full[s] at bars + 8s, empty[s] at bars + 8 (STAGES + s), turn[w] at bars + 8 (2 STAGES + w)
+    // full[s] at bars + 8s, empty[s] at bars + 8 (STAGES + s), turn[w] at bars + 8 (2 STAGES + w), the
+    // TMA backward's pre tile of consumer w at bars + 8 (2 STAGES + 2 + w)
     const uint32_t bars = staging + 2 * STAGING_BYTES;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int KT = K / BK, NT = N / BN, tiles = (M + BM - 1) / BM * NT;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s, 1), mbar_init(bars + 8 * (STAGES + s), 1);
-        mbar_init(bars + 8 * 2 * STAGES, 1), mbar_init(bars + 8 * (2 * STAGES + 1), 1);
+        for (int b = 2 * STAGES; b < 2 * STAGES + 4; ++b) mbar_init(bars + 8 * b, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -1548,8 +1621,18 @@ __global__ void __launch_bounds__(THREADS, 1)
         // of pre) are whole 16-byte chunks, 16 threads to a row: the tile in bf16, row stride STAGE_ROW
         // (padded 16 bytes so that the fragment accesses hit 32 banks). Once the last tile's reads of it
         // are done, the backward fetches its pre tile there (cp.async), to arrive during the MMAs.
+        const uint32_t pre_bar = bars + 8 * (2 * STAGES + 2 + wg);
+        if (TMA) {  // this consumer's last stores have read its staging (and every thread's reads are done)
+            tk::fence_proxy_async();
+            if (t128 == 0) tk::bulk_wait_read();
+        }
         asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
-        if (EPI == 1) {
+        if (TMA && EPI == 1 && t128 == 0) {
+            mbar_expect_tx(pre_bar, BM * BN * 2);
+            tma_load_2d(tile, &tc1, n0, m0, pre_bar);
+            tma_load_2d(tile + BM * 128, &tc1, n0 + 64, m0, pre_bar);
+        }
+        if (!TMA && EPI == 1) {
 #pragma unroll 4
             for (int it = 0; it < BM * BN / 8 / 128; ++it) {
                 const int c = it * 128 + t128, r = c / (BN / 8), ch = c % (BN / 8), row = m0 + r;
@@ -1586,30 +1669,16 @@ __global__ void __launch_bounds__(THREADS, 1)
         tk::wgmma_wait_all();
         tk::fence_regs<128>(acc);
         if (t128 == 0) mbar_arrive(bars + 8 * (STAGES + (q0 + KT - 1) % STAGES));
+        if (TMA) {
+            epilogue_tma<EPI>(acc, tile, pre_bar, (i / 2) & 1, wg, t128, &tc0, &tc1, m0, n0);
+            continue;
+        }
         if (EPI == 1) {
             tk::cp_async_wait<0>();
             asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");  // every thread's part of pre is in
         }
-        // accumulator [n8 tile j][e] at row lane/4 (+8 for e >= 2), column 8j + 2(lane%4) + e%2; the
-        // forward stores pre there, the backward dpre = 2 relu(pre) bf16(acc) over pre
-        const int r_local = (warp % 4) * 16 + lane / 4, c_local = 2 * (lane % 4);
-#pragma unroll
-        for (int mh = 0; mh < 2; ++mh)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int j = 0; j < 16; ++j) {
-                    const uint32_t at = tile + (64 * mh + r_local + 8 * h) * STAGE_ROW + (8 * j + c_local) * 2;
-                    uint32_t v = tk::pack_bf16(acc[64 * mh + 4 * j + 2 * h], acc[64 * mh + 4 * j + 2 * h + 1]);
-                    if (EPI == 1) {
-                        uint32_t pu;
-                        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(pu) : "r"(at));
-                        const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-                        const float2 p = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pu));
-                        v = tk::pack_bf16(2.f * g.x * fmaxf(p.x, 0.f), 2.f * g.y * fmaxf(p.y, 0.f));
-                    }
-                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(v));
-                }
+        // the forward stores pre there, the backward dpre over its pre
+        stage_tile<EPI, false>(acc, warp % 4, lane, [&](int r, int j) { return tile + r * STAGE_ROW + (8 * j + 2 * (lane % 4)) * 2; });
         asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
 #pragma unroll 4
         for (int it = 0; it < BM * BN / 8 / 128; ++it) {
@@ -1632,36 +1701,45 @@ __global__ void __launch_bounds__(THREADS, 1)
             }
         }
     }
+    if (TMA && t128 == 0) tk::bulk_wait_all();  // the last tiles' stores have landed
 }
 
-template <int EPI>
+template <int EPI, bool TMA>
 inline cudaError_t launch(const __nv_bfloat16* a, const __nv_bfloat16* w, int rows, int n, int k, __nv_bfloat16* c0,
                           __nv_bfloat16* c1, const __nv_bfloat16* pre, cudaStream_t stream) {
     if (n % BN || k % BK || rows <= 0) return rows == 0 ? cudaSuccess : cudaErrorInvalidValue;
-    CUtensorMap ta, tb;
+    CUtensorMap ta, tb, tc0{}, tc1{};
     if (tk::make_matrix_map(&ta, a, rows, k, k, BM) != CUDA_SUCCESS ||
         tk::make_matrix_map(&tb, w, n, k, k, BN) != CUDA_SUCCESS)
         return cudaErrorInvalidValue;
+    if (TMA && (tk::make_matrix_map(&tc0, c0, rows, n, n, BM) != CUDA_SUCCESS ||
+                tk::make_matrix_map(&tc1, EPI == 0 ? c1 : pre, rows, n, n, BM) != CUDA_SUCCESS))
+        return cudaErrorInvalidValue;
     static bool smem_set = false;
-    cudaError_t e = tk::allow_smem(gemm_kernel<EPI>, SMEM, smem_set);
+    cudaError_t e = tk::allow_smem(gemm_kernel<EPI, TMA>, SMEM, smem_set);
     if (e != cudaSuccess) return e;
     const int tiles = (rows + BM - 1) / BM * (n / BN);
-    gemm_kernel<EPI><<<std::min(tiles, tk::num_sms()), THREADS, SMEM, stream>>>(ta, tb, rows, n, k, c0, c1, pre, n);
+    gemm_kernel<EPI, TMA><<<std::min(tiles, tk::num_sms()), THREADS, SMEM, stream>>>(ta, tb, tc0, tc1, rows, n, k, c0, c1,
+                                                                                    pre, n);
     return cudaGetLastError();
 }
 }  // namespace lrs
 
 // pre = x w^T and post = relu(pre)^2 (x: rows x k, w: n x k, pre and post: rows x n; all contiguous,
-// n a multiple of 128, k of 64)
+// n a multiple of 128, k of 64). tma: the epilogue's stores by TMA (the same values).
 inline cudaError_t linear_relu_square_forward(const __nv_bfloat16* x, const __nv_bfloat16* w, int rows, int n, int k,
-                                              __nv_bfloat16* pre, __nv_bfloat16* post, cudaStream_t stream) {
-    return lrs::launch<0>(x, w, rows, n, k, pre, post, nullptr, stream);
+                                              __nv_bfloat16* pre, __nv_bfloat16* post, cudaStream_t stream,
+                                              bool tma = false) {
+    return tma ? lrs::launch<0, true>(x, w, rows, n, k, pre, post, nullptr, stream)
+               : lrs::launch<0, false>(x, w, rows, n, k, pre, post, nullptr, stream);
 }
 // dpre = 2 relu(pre) (dout w^T) with dout w^T rounded to bf16 first (as a stored dpost would be):
 // dout rows x k, w n x k (the c_proj weight, whose rows are the MLP's hidden units), pre and dpre rows x n
 inline cudaError_t linear_relu_square_backward(const __nv_bfloat16* dout, const __nv_bfloat16* w, int rows, int n, int k,
-                                               const __nv_bfloat16* pre, __nv_bfloat16* dpre, cudaStream_t stream) {
-    return lrs::launch<1>(dout, w, rows, n, k, dpre, nullptr, pre, stream);
+                                               const __nv_bfloat16* pre, __nv_bfloat16* dpre, cudaStream_t stream,
+                                               bool tma = false) {
+    return tma ? lrs::launch<1, true>(dout, w, rows, n, k, dpre, nullptr, pre, stream)
+               : lrs::launch<1, false>(dout, w, rows, n, k, dpre, nullptr, pre, stream);
 }
 
 // -----------------------------------------------------------------------------

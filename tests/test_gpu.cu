@@ -599,6 +599,15 @@ static void linear_relu_square_case(int rows, int n, int k, uint64_t seed, int r
     CHECK(e < 1e-2 && ed < 1e-2 && unwritten == 0 && post_bad == 0 && dpre_far == 0,
           "linear + relu^2 rows %d: pre %.2e dpre %.2e, %lld unwritten, %lld post values differ, %lld dpre values off",
           rows, e, ed, (long long)unwritten, (long long)post_bad, (long long)dpre_far);
+    // the TMA epilogue (--mlp_tma_epilogue): the same bits in every output, into poisoned buffers
+    DeviceArray<uint16_t> pre2((size_t)rows * n), post2((size_t)rows * n), dpre2((size_t)rows * n);
+    pre2.poison(), post2.poison(), dpre2.poison();
+    CUDA_CHECK(linear_relu_square_forward(bf(dx.ptr), bf(dw.ptr), rows, n, k, bf(pre2.ptr), bf(post2.ptr), 0, true));
+    CUDA_CHECK(linear_relu_square_backward(bf(ddout.ptr), bf(dw2.ptr), rows, n, k, bf(pre2.ptr), bf(dpre2.ptr), 0, true));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const bool same = pre2.download() == hp && post2.download() == hq && dpre2.download() == hd;
+    printf("    the TMA epilogue: %s\n", same ? "the same bits" : "DIFFERENT");
+    CHECK(same, "linear + relu^2 rows %d: the TMA epilogue's pre, post or dpre differ from the threads' stores", rows);
 }
 
 static void fp8_cast_case(int rows, int cols, bool e5m2, bool transpose, float scale, uint64_t seed) {
