@@ -2826,9 +2826,9 @@ __global__ void gate_weight_finish_kernel(const Params p, bool with_lambda, __nv
 // scale_weight_backward and gate_backward each end with a one-block kernel that adds their
 // per-block partial sums into the gradient. Given a DeferredSums, they leave the partial sums in a
 // slot of its own (their `partial` workspace, p.partial for the gates, goes unused) and record the
-// target instead; finish() then does every recorded addition in
-// one launch, a CTA each, with the same arithmetic (the same bits). A backward pass has about 50
-// of them, each a launch and a gap between kernels. Every target of one finish() is distinct.
+// target instead; finish() then does every recorded addition in one launch, a CTA each, with the
+// same arithmetic (the same bits). A backward pass has about 50 of them, each a launch and a gap
+// between kernels. Every target of one finish() is distinct.
 
 namespace scal {
 constexpr int DOT_BLOCKS = 264;  // the scalar passes' blocks (below): each sums a fixed slice of the values

@@ -110,26 +110,15 @@ static void bench_model(Gemms& gemms, const char* gemm_choice) {
            (free0 - free1) / 1073741824.0);
 }
 
-// The model (initial weights) and one micro-batch of T tokens at the given windows (--profile-once)
-struct ProbeModel {
+static void profile_once(int T, int ws_short, int ws_long) {
     Hyperparameters args;
     Gemms gemms;
-    ParamStore params{1, 0};
-    Model model;
-    std::mt19937_64 rng{7};
-    DeviceBatch b;
-    ForwardArgs fa;
-    ProbeModel(int T, int ws_short, int ws_long)
-        : model(params, gemms, args, T, 0, 512), b(T, rng), fa(bench_forward_args(args)) {
-        fa.ws_short = ws_short, fa.ws_long = ws_long;
-    }
-};
-
-static void profile_once(int T, int ws_short, int ws_long) {
-    ProbeModel pm(T, ws_short, ws_long);
-    Model& model = pm.model;
-    const DeviceBatch& b = pm.b;
-    const ForwardArgs& fa = pm.fa;
+    ParamStore params(1, 0);
+    Model model(params, gemms, args, T, 0, 512);
+    std::mt19937_64 rng(7);
+    DeviceBatch b(T, rng);
+    ForwardArgs fa = bench_forward_args(args);
+    fa.ws_short = ws_short, fa.ws_long = ws_long;
     // the first pass tunes the GEMMs; the second is timed (the kernels' sum under ncu against this
     // tells the time between kernels); the third alone is profiled
     for (int i = 0; i < 3; ++i) {
