@@ -1500,11 +1500,15 @@ inline cudaError_t relu_square_backward(const __nv_bfloat16* pre, const __nv_bfl
 // separate passes over the 4 x 768-wide activations.
 namespace lrs {
 
-constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4, THREADS = 384;
+constexpr int BM = 128, BN = 128, BK = 64, THREADS = 384;
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int STAGE_ROW = BN * 2 + 16, STAGING_BYTES = BM * STAGE_ROW;  // the epilogue's bf16 tile, rows padded
-constexpr int SMEM = STAGES * STAGE_BYTES + 2 * STAGING_BYTES + 1024 + 8 * (2 * STAGES + 4);  // + alignment, barriers
-static_assert(STAGING_BYTES % 1024 == 0 && STAGING_BYTES >= BM * BN * 2, "a consumer's staging holds two swizzled boxes");
+constexpr int STAGE_ROW = BN * 2 + 16;  // the threads' epilogue's bf16 tile, rows padded
+// the TMA epilogue's staging is two swizzled boxes, unpadded: room for a fifth stage
+template <bool TMA> constexpr int STAGES = TMA ? 5 : 4;
+template <bool TMA> constexpr int STAGING_BYTES = TMA ? BM * BN * 2 : BM * STAGE_ROW;
+template <bool TMA>
+constexpr int SMEM = STAGES<TMA> * STAGE_BYTES + 2 * STAGING_BYTES<TMA> + 1024 + 8 * (2 * STAGES<TMA> + 4);
+static_assert(SMEM<true> <= 232448 && SMEM<false> <= 232448, "shared memory");
 
 using tk::mbar_arrive, tk::mbar_expect_tx, tk::mbar_init, tk::mbar_wait, tk::tma_load_2d;
 
@@ -1577,6 +1581,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb,
                 const __grid_constant__ CUtensorMap tc0, const __grid_constant__ CUtensorMap tc1, int M, int N, int K,
                 __nv_bfloat16* c0, __nv_bfloat16* c1, const __nv_bfloat16* pre, int64_t ldc) {
+    constexpr int STAGES = lrs::STAGES<TMA>, STAGING_BYTES = lrs::STAGING_BYTES<TMA>;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (tk::smem_u32(smem_raw) + 1023) & ~1023u;
     const uint32_t staging = base + STAGES * STAGE_BYTES;  // each consumer's epilogue tile
@@ -1716,10 +1721,10 @@ inline cudaError_t launch(const __nv_bfloat16* a, const __nv_bfloat16* w, int ro
                 tk::make_matrix_map(&tc1, EPI == 0 ? c1 : pre, rows, n, n, BM) != CUDA_SUCCESS))
         return cudaErrorInvalidValue;
     static bool smem_set = false;
-    cudaError_t e = tk::allow_smem(gemm_kernel<EPI, TMA>, SMEM, smem_set);
+    cudaError_t e = tk::allow_smem(gemm_kernel<EPI, TMA>, SMEM<TMA>, smem_set);
     if (e != cudaSuccess) return e;
     const int tiles = (rows + BM - 1) / BM * (n / BN);
-    gemm_kernel<EPI, TMA><<<std::min(tiles, tk::num_sms()), THREADS, SMEM, stream>>>(ta, tb, tc0, tc1, rows, n, k, c0, c1,
+    gemm_kernel<EPI, TMA><<<std::min(tiles, tk::num_sms()), THREADS, SMEM<TMA>, stream>>>(ta, tb, tc0, tc1, rows, n, k, c0, c1,
                                                                                     pre, n);
     return cudaGetLastError();
 }
