@@ -111,6 +111,8 @@ extern char** environ;
       "the fused MLP GEMMs' tiles stored (and the backward's pre tile loaded) by TMA, not by the threads (same bits)") \
     X(BOOL, overlap_wgrad, true,                                                                                    \
       "the backward's weight-gradient GEMMs on a second stream, beside the data gradients (not while profiling)")  \
+    X(BOOL, fused_lm_head_loss, false,                                                                              \
+      "training's lm_head GEMM (ours, not cuBLASLt's) sums each row's exp(softcap(logit)) in its epilogue; the loss pass then reads no logits") \
     X(I64, logit_chunk_rows, 8192, "rows of logits the lm_head makes and the loss consumes at a time (a multiple of 16)") \
     /* attention masking (windows in blocks of block_size tokens) */                                                \
     X(I64, block_size, 128, "attention window unit in tokens")                                                      \
@@ -2079,6 +2081,7 @@ class Model {
         gf8_ = alloc<uint8_t>((int64_t)logit_rows_ * V), gf8t_ = alloc<uint8_t>((int64_t)logit_rows_ * V);
         lm_grad_ = alloc<float>(V * D);
         losses_ = alloc<float>(TE), lse_ = alloc<float>(logit_rows_), loss_ = alloc<float>(1), bad_ = alloc<int>(1);
+        if (args.fused_lm_head_loss) lse_parts_ = alloc<float>((int64_t)logit_rows_ * (V / 128));
         // backward workspaces
         dx_ = bf(T * D), dx0_ = bf(T * D), dskip_ = bf(T * D), dback_ = bf(T * D), dxn_ = bf(T * D);
         dy_ = bf(T * D), dyg_ = bf(T * D), dq_ = bf(T * D), dk_ = bf(T * D), dqkv_ = bf(T * 3 * D);
@@ -2489,13 +2492,9 @@ class Model {
                 CUDA_CHECK(cast_to_fp8(lm_head, V, wf8_, V, D, V, (float)args_.lm_head_w_s, false, false, s));
             }
         }
+        const bool fused_loss = training && args_.fused_lm_head_loss;
         for (int r0 = 0; r0 < T; r0 += logit_rows_) {
             const int rows = std::min(logit_rows_, T - r0);
-            if (training)
-                gemms_.fp8(s, rows, V, D, xf8_ + (int64_t)r0 * D, CUDA_R_8F_E4M3, D, wf8t_, CUDA_R_8F_E4M3, D, logits_, V,
-                           false, scales_[0], scales_[1], true);
-            else
-                gemms_.bf16(s, Op::N, Op::N, rows, V, D, xn_ + (int64_t)r0 * D, D, lm_head, V, logits_, V, false);
             ce::Params cp{};
             cp.logits = logits_, cp.ld = V, cp.targets = tokens_ + 1 + r0, cp.rows = rows, cp.target_rows = T - r0;
             cp.vocab = V;
@@ -2505,8 +2504,19 @@ class Model {
             cp.a = (float)args_.softcap_a, cp.b = (float)args_.softcap_b, cp.c = (float)args_.softcap_c;
             cp.losses = losses_ + r0;
             cp.lse = training ? lse_ : nullptr, cp.grad_scale = fa_.loss_scale, cp.fast_softcap = training;
+            const int64_t parts = V / 128;
+            if (fused_loss)
+                CUDA_CHECK(lm_head_logits_fp8(xf8_ + (int64_t)r0 * D, wf8t_, rows, V, D,
+                                              (float)args_.lm_head_x_s * (float)args_.lm_head_w_s, cp, logits_,
+                                              lse_parts_, parts, s));
+            else if (training)
+                gemms_.fp8(s, rows, V, D, xf8_ + (int64_t)r0 * D, CUDA_R_8F_E4M3, D, wf8t_, CUDA_R_8F_E4M3, D, logits_, V,
+                           false, scales_[0], scales_[1], true);
+            else
+                gemms_.bf16(s, Op::N, Op::N, rows, V, D, xn_ + (int64_t)r0 * D, D, lm_head, V, logits_, V, false);
             profile_mark(Part::Loss, s);
-            CUDA_CHECK(softcapped_cross_entropy(cp, s));
+            if (fused_loss) CUDA_CHECK(softcapped_ce_from_partials(cp, lse_parts_, parts, s));
+            else CUDA_CHECK(softcapped_cross_entropy(cp, s));
             if (training) {  // the gradient of the logits, e5m2, in the two layouts of the GEMMs below
                 side_wait(ev_head_, s);  // (the last chunk's weight gradient has read g^T)
                 CUDA_CHECK(softcapped_ce_grad_fp8(cp, gf8_, V, gf8t_, rows, (float)args_.lm_head_grad_s, s));
@@ -2557,6 +2567,7 @@ class Model {
     int rope_positions_ = 0;
     std::vector<float> rope_freq_;
     float *rstd0_, *rstd_f_, *losses_, *lse_, *loss_, *lm_grad_, *scales_[3];  // x_s, w_s, grad_s
+    float* lse_parts_ = nullptr;  // --fused_lm_head_loss: each row's sums of exp(softcap) per 128 logits
     int* bad_;  // the first layer whose output was not finite, or -1
     // attention's tile schedules, one per head layout and window (schedule_slot): the forward makes
     // each where a layer first needs it, the backward reuses them

@@ -17,6 +17,8 @@
 //   FusedSoftcappedCrossEntropy forward                 ce         softcapped_cross_entropy
 //     (fused_softcapped_entropy_fwd_kernel; in eval,
 //     23 sigmoid((logits + 5) / 7.5) + F.cross_entropy)
+//     training's, from the lm_head GEMM's partial sums  ce, lrs   lm_head_logits_fp8 (mm_t_op's forward
+//     (--fused_lm_head_loss)                                       GEMM), softcapped_ce_from_partials
 //   FusedSoftcappedCrossEntropy backward                ce         softcapped_ce_grad_fp8
 //     (fused_softcapped_entropy_bwd_kernel) and the
 //     grad.div(grad_s) e5m2 cast of mm_t_backward_op
@@ -127,6 +129,15 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss(float* d, uint64_t da, uint6
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %66, %66;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(da), "l"(db), "n"(MN_MAJOR));
+}
+// d (64 x 128) += A (64 x 32, smem) . B (32 x 128, smem), e4m3, both K-major (the only layout fp8
+// wgmma takes); the tensor cores sum in their own reduced-precision accumulator (cuBLASLt's fast_accum)
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3_ss(float* d, uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db));
 }
 __device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -1125,7 +1136,7 @@ __device__ __forceinline__ float softcap(const Params& p, float nic, float x) {
 // h = a / 2, t = tanh((x + b) / 2c)
 struct TanhCap {
     float h, T1, T0;
-    __device__ explicit TanhCap(const Params& p) : h(0.5f * p.a), T1(0.5f / p.c), T0(0.5f * p.b / p.c) {}
+    __host__ __device__ explicit TanhCap(const Params& p) : h(0.5f * p.a), T1(0.5f / p.c), T0(0.5f * p.b / p.c) {}
     __device__ float t(float x) const { return tk::fast_tanh(fmaf(x, T1, T0)); }
 };
 
@@ -1205,6 +1216,30 @@ __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) 
         p.losses[row] = loss;
         if (p.lse) p.lse[row] = lse;
     }
+}
+
+// ---- forward from the lm_head's partial sums: training's loss and lse, one warp per row ----
+//
+// The fused lm_head GEMM (lm_head_logits_fp8) leaves each row's sum of exp(softcap(logit)) over each
+// 128 columns in partial (row stride ld_partial, n_part of them); a lane sums every 32nd in column
+// order, the warp's butterfly the lanes' sums: lse = log of it. The loss takes the targets' logits.
+__global__ void loss_from_partials_kernel(const Params p, const float* partial, int64_t ld_partial, int n_part) {
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (row >= p.rows) return;
+    const float* part = partial + row * ld_partial;
+    float sum = 0.f;
+    for (int j = lane; j < n_part; j += 32) sum += part[j];
+    const float lse = logf(tk::warp_sum(sum));
+    if (lane != 0) return;
+    const TanhCap tc(p);
+    const __nv_bfloat16* x = p.logits + (int64_t)row * p.ld;
+    float loss = 0.f;
+    for (int k = 0; k < p.n_predict && row + k < p.target_rows; ++k) {
+        const int t = p.targets[row + k];
+        if (t >= 0 && t < p.vocab) loss += p.w[k] * (lse - fmaf(tc.h, tc.t(__bfloat162float(x[t])), tc.h));
+    }
+    p.losses[row] = loss;
+    p.lse[row] = lse;
 }
 
 // ---- backward: the gradient, in fp8 for the lm_head's GEMMs ----
@@ -1512,6 +1547,38 @@ static_assert(SMEM<true> <= 232448 && SMEM<false> <= 232448, "shared memory");
 
 using tk::mbar_arrive, tk::mbar_expect_tx, tk::mbar_init, tk::mbar_wait, tk::tma_load_2d;
 
+// EPI 2 (the lm_head's logits): the output scale, and each row's sum of exp(softcap(logit)) per
+// 128-column tile into partial (row stride ld_partial), with the soft-cap's tanh form (ce::TanhCap)
+struct EpiArgs {
+    float scale = 1.f;
+    float* partial = nullptr;
+    int64_t ld_partial = 0;
+    float T1 = 0.f, T0 = 0.f, hL = 0.f;  // t = tanh(x T1 + T0); exp(softcap(x)) = 2^(hL t + hL)
+};
+
+// EPI 2's staging: the scaled accumulators as bf16 (as stage_tile), and the four rows' sums of
+// exp(softcap()) of those bf16 logits over this thread's columns into sums[2 mh + h]
+template <typename Addr>
+__device__ __forceinline__ void stage_logits(const float* acc, int warp, int lane, Addr addr, const EpiArgs& ea,
+                                             float sums[4]) {
+#pragma unroll
+    for (int mh = 0; mh < 2; ++mh)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const uint32_t v = tk::pack_bf16(acc[64 * mh + 4 * j + 2 * h] * ea.scale,
+                                                 acc[64 * mh + 4 * j + 2 * h + 1] * ea.scale);
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr(64 * mh + warp * 16 + lane / 4 + 8 * h, j)), "r"(v));
+                const float lo = __uint_as_float(v << 16), hi = __uint_as_float(v & 0xffff0000u);
+                sum += tk::fast_exp2(fmaf(tk::fast_tanh(fmaf(lo, ea.T1, ea.T0)), ea.hL, ea.hL));
+                sum += tk::fast_exp2(fmaf(tk::fast_tanh(fmaf(hi, ea.T1, ea.T0)), ea.hL, ea.hL));
+            }
+            sums[2 * mh + h] = sum;
+        }
+}
+
 // A consumer's accumulators as bf16 into its staging tile, at addr(row, j) for the 4-byte pair of
 // columns 8j + 2 (lane % 4) of a row (accumulator [n8 tile j][e] of rows 0-63 in acc[0..63], of rows
 // 64-127 in acc[64..127], at row warp * 16 + lane / 4, + 8 for e >= 2): the forward's pre, or with POST
@@ -1580,7 +1647,7 @@ template <int EPI, bool TMA>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb,
                 const __grid_constant__ CUtensorMap tc0, const __grid_constant__ CUtensorMap tc1, int M, int N, int K,
-                __nv_bfloat16* c0, __nv_bfloat16* c1, const __nv_bfloat16* pre, int64_t ldc) {
+                __nv_bfloat16* c0, __nv_bfloat16* c1, const __nv_bfloat16* pre, int64_t ldc, const EpiArgs ea) {
     constexpr int STAGES = lrs::STAGES<TMA>, STAGING_BYTES = lrs::STAGING_BYTES<TMA>;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (tk::smem_u32(smem_raw) + 1023) & ~1023u;
@@ -1589,7 +1656,15 @@ __global__ void __launch_bounds__(THREADS, 1)
     // TMA backward's pre tile of consumer w at bars + 8 (2 STAGES + 2 + w)
     const uint32_t bars = staging + 2 * STAGING_BYTES;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int KT = K / BK, NT = N / BN, tiles = (M + BM - 1) / BM * NT;
+    const int KT = K / BK, NT = N / BN, MT = (M + BM - 1) / BM, tiles = MT * NT;
+    // the tiles in order along the wider side of C: the CTAs at work at once share the narrower
+    // operand's few tiles and sweep the wider one's, so that the narrower stays in L2 (the MLP: all of
+    // w; the lm_head's 8192-row chunks: all of x, where sweeping rows would stream its 38.6 MB of w
+    // from DRAM once per 128 rows)
+    auto tile_at = [&](int t, int& m0, int& n0) {
+        if (MT <= NT) m0 = t % MT * BM, n0 = t / MT * BN;
+        else m0 = t / NT * BM, n0 = t % NT * BN;
+    };
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s, 1), mbar_init(bars + 8 * (STAGES + s), 1);
         for (int b = 2 * STAGES; b < 2 * STAGES + 4; ++b) mbar_init(bars + 8 * b, 1);
@@ -1601,7 +1676,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (threadIdx.x == 0) {
             int q = 0;  // position in the CTA's sequence of k-tiles, over all its output tiles
             for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-                const int m0 = t / NT * BM, n0 = t % NT * BN;
+                int m0, n0;
+                tile_at(t, m0, n0);
                 for (int kt = 0; kt < KT; ++kt, ++q) {
                     const int s = q % STAGES;
                     if (q >= STAGES) mbar_wait(bars + 8 * (STAGES + s), ((q / STAGES) & 1) ^ 1);
@@ -1621,7 +1697,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     for (int i = wg;; i += 2) {
         const int t = blockIdx.x + i * gridDim.x;
         if (t >= tiles) break;
-        const int m0 = t / NT * BM, n0 = t % NT * BN;
+        int m0, n0;
+        tile_at(t, m0, n0);
         // the epilogue goes through shared memory, so that the global stores (and the backward's loads
         // of pre) are whole 16-byte chunks, 16 threads to a row: the tile in bf16, row stride STAGE_ROW
         // (padded 16 bytes so that the fragment accesses hit 32 banks). Once the last tile's reads of it
@@ -1664,8 +1741,14 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
             for (int kk = 0; kk < BK / 16; ++kk) {
                 const uint64_t db = tk::smem_desc(sb + kk * 32, 16, 1024);
-                tk::wgmma_m64n128k16_ss<0>(acc, tk::smem_desc(sa + kk * 32, 16, 1024), db);
-                tk::wgmma_m64n128k16_ss<0>(acc + 64, tk::smem_desc(sa + 64 * 128 + kk * 32, 16, 1024), db);
+                const uint64_t da0 = tk::smem_desc(sa + kk * 32, 16, 1024), da1 = tk::smem_desc(sa + 64 * 128 + kk * 32, 16, 1024);
+                if constexpr (EPI == 2) {  // 32 fp8 values of k in the 32 bytes that hold 16 bf16 ones
+                    tk::wgmma_m64n128k32_e4m3_ss(acc, da0, db);
+                    tk::wgmma_m64n128k32_e4m3_ss(acc + 64, da1, db);
+                } else {
+                    tk::wgmma_m64n128k16_ss<0>(acc, da0, db);
+                    tk::wgmma_m64n128k16_ss<0>(acc + 64, da1, db);
+                }
             }
             tk::wgmma_commit();
             tk::wgmma_wait1();  // the previous stage's MMAs are done: hand its buffers back
@@ -1682,8 +1765,22 @@ __global__ void __launch_bounds__(THREADS, 1)
             tk::cp_async_wait<0>();
             asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");  // every thread's part of pre is in
         }
-        // the forward stores pre there, the backward dpre over its pre
-        stage_tile<EPI, false>(acc, warp % 4, lane, [&](int r, int j) { return tile + r * STAGE_ROW + (8 * j + 2 * (lane % 4)) * 2; });
+        // the forward stores pre there, the backward dpre over its pre, the lm_head its logits
+        auto staged = [&](int r, int j) { return tile + r * STAGE_ROW + (8 * j + 2 * (lane % 4)) * 2; };
+        if constexpr (EPI == 2) {
+            float sums[4];
+            stage_logits(acc, warp % 4, lane, staged, ea, sums);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {  // the quad's 4 x 8 columns of the row, in a fixed order
+                float v = sums[i];
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                const int row = m0 + 64 * (i / 2) + (warp % 4) * 16 + lane / 4 + 8 * (i % 2);
+                if (lane % 4 == 0 && row < M) ea.partial[row * ea.ld_partial + n0 / BN] = v;
+            }
+        } else {
+            stage_tile<EPI, false>(acc, warp % 4, lane, staged);
+        }
         asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
 #pragma unroll 4
         for (int it = 0; it < BM * BN / 8 / 128; ++it) {
@@ -1709,9 +1806,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (TMA && t128 == 0) tk::bulk_wait_all();  // the last tiles' stores have landed
 }
 
+// k: the operands' width in bf16 (EPI 2: half their fp8 width)
 template <int EPI, bool TMA>
-inline cudaError_t launch(const __nv_bfloat16* a, const __nv_bfloat16* w, int rows, int n, int k, __nv_bfloat16* c0,
-                          __nv_bfloat16* c1, const __nv_bfloat16* pre, cudaStream_t stream) {
+inline cudaError_t launch(const void* a, const void* w, int rows, int n, int k, __nv_bfloat16* c0, __nv_bfloat16* c1,
+                          const __nv_bfloat16* pre, cudaStream_t stream, const EpiArgs& ea = {}) {
     if (n % BN || k % BK || rows <= 0) return rows == 0 ? cudaSuccess : cudaErrorInvalidValue;
     CUtensorMap ta, tb, tc0{}, tc1{};
     if (tk::make_matrix_map(&ta, a, rows, k, k, BM) != CUDA_SUCCESS ||
@@ -1725,7 +1823,7 @@ inline cudaError_t launch(const __nv_bfloat16* a, const __nv_bfloat16* w, int ro
     if (e != cudaSuccess) return e;
     const int tiles = (rows + BM - 1) / BM * (n / BN);
     gemm_kernel<EPI, TMA><<<std::min(tiles, tk::num_sms()), THREADS, SMEM<TMA>, stream>>>(ta, tb, tc0, tc1, rows, n, k, c0, c1,
-                                                                                    pre, n);
+                                                                                    pre, n, ea);
     return cudaGetLastError();
 }
 }  // namespace lrs
@@ -1745,6 +1843,32 @@ inline cudaError_t linear_relu_square_backward(const __nv_bfloat16* dout, const 
                                                bool tma = false) {
     return tma ? lrs::launch<1, true>(dout, w, rows, n, k, dpre, nullptr, pre, stream)
                : lrs::launch<1, false>(dout, w, rows, n, k, dpre, nullptr, pre, stream);
+}
+
+// Training's lm_head forward with the loss's first pass in its epilogue: logits = bf16(scale x w^T)
+// for x (rows x k) and w (n x k) in e4m3, both contiguous (the GEMM as cuBLASLt's with fast_accum),
+// and each row's sum of exp(softcap(logit)) over each 128 columns into partial (rows x n / 128, row
+// stride ld_partial), the soft-cap of p (its tanh form, as the training loss). The logits go to
+// DRAM once, for the gradient; the loss (softcapped_ce_from_partials) no longer reads them.
+// n a multiple of 128, k of 128.
+inline cudaError_t lm_head_logits_fp8(const uint8_t* x, const uint8_t* w, int rows, int n, int k, float scale,
+                                      const ce::Params& p, __nv_bfloat16* logits, float* partial, int64_t ld_partial,
+                                      cudaStream_t stream) {
+    if (n % lrs::BN || k % 128 || ld_partial < n / lrs::BN) return cudaErrorInvalidValue;
+    const ce::TanhCap tc(p);
+    lrs::EpiArgs ea;
+    ea.scale = scale, ea.partial = partial, ea.ld_partial = ld_partial;
+    ea.T1 = tc.T1, ea.T0 = tc.T0, ea.hL = tc.h * 1.4426950408889634f;
+    return lrs::launch<2, false>(x, w, rows, n, k / 2, logits, nullptr, nullptr, stream, ea);
+}
+
+// The rows' losses and lse from lm_head_logits_fp8's partial sums (p.logits: its logits, p.lse set)
+inline cudaError_t softcapped_ce_from_partials(const ce::Params& p, const float* partial, int64_t ld_partial,
+                                               cudaStream_t stream) {
+    if (p.vocab % lrs::BN || !p.lse || p.n_predict < 1 || p.n_predict > ce::MAX_PREDICT) return cudaErrorInvalidValue;
+    if (p.rows <= 0) return cudaSuccess;
+    ce::loss_from_partials_kernel<<<(p.rows + 7) / 8, 256, 0, stream>>>(p, partial, ld_partial, p.vocab / lrs::BN);
+    return cudaGetLastError();
 }
 
 // -----------------------------------------------------------------------------

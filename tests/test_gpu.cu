@@ -610,6 +610,76 @@ static void linear_relu_square_case(int rows, int n, int k, uint64_t seed, int r
     CHECK(same, "linear + relu^2 rows %d: the TMA epilogue's pre, post or dpre differ from the threads' stores", rows);
 }
 
+// training's lm_head forward with the loss's first pass fused (--fused_lm_head_loss): the logits
+// against fp64 (every row_step-th row) and cuBLASLt's fast-accum fp8 GEMM, the losses and lse from
+// the partial sums against fp64 on the kernel's own bf16 logits and against the unfused loss pass
+static void lm_head_loss_case(Gemms& gemms, int rows, int n, int k, uint64_t seed, int row_step = 1) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    const float xs = 100.f / 448, ws = 1.6f / 448, scale = xs * ws;
+    std::vector<uint8_t> x((size_t)rows * k), w((size_t)n * k);  // e4m3 of values near the model's
+    for (auto& v : x) v = (uint8_t)__nv_cvt_float_to_fp8(nd(rng) / xs, __NV_SATFINITE, __NV_E4M3);
+    for (auto& v : w) v = (uint8_t)__nv_cvt_float_to_fp8(0.02f * nd(rng) / ws, __NV_SATFINITE, __NV_E4M3);
+    std::vector<int> targets(rows + 2);
+    for (auto& t : targets) t = (int)(rng() % n);
+    const std::vector<float> wts = {1.f, 0.5f, 0.25f};
+    const int parts = n / 128;
+    const int64_t ld_parts = parts + 3;
+    DeviceArray<uint8_t> dx(x), dw(w);
+    DeviceArray<int> dt(targets);
+    DeviceArray<uint16_t> logits((size_t)rows * n), logits_ref((size_t)rows * n);
+    DeviceArray<float> partial((size_t)rows * ld_parts), loss((size_t)rows), lse((size_t)rows), loss2((size_t)rows),
+        lse2((size_t)rows), sa(std::vector<float>{xs}), sb(std::vector<float>{ws});
+    logits.poison(), logits_ref.poison(), partial.poison(), loss.poison(), lse.poison(), loss2.poison(), lse2.poison();
+    ce::Params p{};
+    p.ld = n, p.targets = dt.ptr, p.rows = rows, p.target_rows = rows + 2, p.vocab = n, p.n_predict = 3;
+    for (int i = 0; i < 3; ++i) p.w[i] = wts[i];
+    p.a = 23.f, p.b = 5.f, p.c = 7.5f, p.grad_scale = 1.f, p.fast_softcap = true;
+    auto bf = [](uint16_t* q) { return reinterpret_cast<__nv_bfloat16*>(q); };
+    CUDA_CHECK(lm_head_logits_fp8(dx.ptr, dw.ptr, rows, n, k, scale, p, bf(logits.ptr), partial.ptr, ld_parts, 0));
+    p.logits = bf(logits.ptr), p.losses = loss.ptr, p.lse = lse.ptr;
+    CUDA_CHECK(softcapped_ce_from_partials(p, partial.ptr, ld_parts, 0));
+    ce::Params p2 = p;  // the unfused loss pass on the same logits
+    p2.losses = loss2.ptr, p2.lse = lse2.ptr;
+    CUDA_CHECK(softcapped_cross_entropy(p2, 0));
+    gemms.fp8(0, rows, n, k, dx.ptr, CUDA_R_8F_E4M3, k, dw.ptr, CUDA_R_8F_E4M3, k, logits_ref.ptr, n, false, sa.ptr, sb.ptr,
+              true);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> hl = logits.download(), hr = logits_ref.download();
+    const std::vector<float> hp = partial.download(), hloss = loss.download(), hlse = lse.download(),
+                             hloss2 = loss2.download(), hlse2 = lse2.download();
+    int64_t unwritten = 0, differ = 0;
+    for (size_t i = 0; i < hl.size(); ++i) unwritten += !std::isfinite(bf16_to_float(hl[i])), differ += hl[i] != hr[i];
+    for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < parts; ++j) unwritten += !std::isfinite(hp[(size_t)r * ld_parts + j]);
+    std::vector<double> got, ref, lgot, lref, lse_got, lse_unfused;
+    for (int r = 0; r < rows; r += row_step)
+        for (int c = 0; c < n; ++c) {
+            double a = 0;
+            for (int i = 0; i < k; ++i)
+                a += (double)fp8_to_float(x[(size_t)r * k + i], false) * fp8_to_float(w[(size_t)c * k + i], false);
+            got.push_back(bf16_to_float(hl[(size_t)r * n + c])), ref.push_back(a * scale);
+        }
+    for (int r = 0; r < rows; ++r) {  // the loss of the kernel's bf16 logits, in fp64
+        double s = 0;
+        std::vector<double> z(n);
+        for (int c = 0; c < n; ++c) {
+            z[c] = 23.0 / (1 + std::exp(-(bf16_to_float(hl[(size_t)r * n + c]) + 5.0) / 7.5));
+            s += std::exp(z[c]);
+        }
+        double l = 0;
+        for (int i = 0; i < 3; ++i) l += wts[i] * (std::log(s) - z[targets[r + i]]);
+        lgot.push_back(hloss[r]), lref.push_back(l), lse_got.push_back(hlse[r]), lse_unfused.push_back(hlse2[r]);
+    }
+    const double e = rel_err_d(got, ref), el = rel_err_d(lgot, lref), eu = rel_err_d(lse_got, lse_unfused);
+    printf("  lm_head + loss rows %5d n %5d k %4d  rel err: logits %.1e (bf16 values unlike cuBLASLt's: %lld of %zu), "
+           "loss %.1e, lse vs the unfused pass %.1e; unwritten %lld\n",
+           rows, n, k, e, (long long)differ, hl.size(), el, eu, (long long)unwritten);
+    CHECK(e < 1e-2 && el < 1e-5 && eu < 1e-6 && unwritten == 0 && differ * 100 <= (int64_t)hl.size(),
+          "lm_head + loss rows %d n %d: logits %.2e, loss %.2e, lse vs unfused %.2e, %lld unwritten, %lld unlike cuBLASLt",
+          rows, n, e, el, eu, (long long)unwritten, (long long)differ);
+}
+
 static void fp8_cast_case(int rows, int cols, bool e5m2, bool transpose, float scale, uint64_t seed) {
     std::mt19937_64 rng(seed);
     const int64_t lds = cols + 16, ldd = (transpose ? rows : cols) + 32;
@@ -1787,6 +1857,9 @@ static void test_model_kernels() {
     gemm_fp8_case(gemms, 48, 80, 96, false, false, false, true, 12);  // forward: e4m3 x e4m3, fast accumulation
     gemm_fp8_case(gemms, 64, 96, 128, true, false, false, false, 13);  // grad_x: e5m2 x e4m3
     gemm_fp8_case(gemms, 32, 144, 64, false, true, true, false, 14);  // grad_w: e4m3 x e5m2 -> fp32
+    lm_head_loss_case(gemms, 300, 640, 256, 16);  // rows off the 128-row tile
+    lm_head_loss_case(gemms, 2000, 1280, 128, 17, 9);  // more tiles than SMs
+    lm_head_loss_case(gemms, 67, 50304, 768, 18, 11);  // the model's widths
     size_t before = gemms.cached_plans();
     gemm_bf16_case(gemms, Op::N, Op::T, 37, 130, 72, false, 0.f, 15);
     CHECK(gemms.cached_plans() == before, "a repeated GEMM shape chose its algorithm again");
