@@ -2081,7 +2081,7 @@ class Model {
         gf8_ = alloc<uint8_t>((int64_t)logit_rows_ * V), gf8t_ = alloc<uint8_t>((int64_t)logit_rows_ * V);
         lm_grad_ = alloc<float>(V * D);
         losses_ = alloc<float>(TE), lse_ = alloc<float>(logit_rows_), loss_ = alloc<float>(1), bad_ = alloc<int>(1);
-        if (args.fused_lm_head_loss) lse_parts_ = alloc<float>((int64_t)logit_rows_ * (V / 128));
+        if (args.fused_lm_head_loss) lse_parts_ = alloc<float>((int64_t)logit_rows_ * lm_head_loss_parts(V));
         // backward workspaces
         dx_ = bf(T * D), dx0_ = bf(T * D), dskip_ = bf(T * D), dback_ = bf(T * D), dxn_ = bf(T * D);
         dy_ = bf(T * D), dyg_ = bf(T * D), dq_ = bf(T * D), dk_ = bf(T * D), dqkv_ = bf(T * 3 * D);
@@ -2504,18 +2504,17 @@ class Model {
             cp.a = (float)args_.softcap_a, cp.b = (float)args_.softcap_b, cp.c = (float)args_.softcap_c;
             cp.losses = losses_ + r0;
             cp.lse = training ? lse_ : nullptr, cp.grad_scale = fa_.loss_scale, cp.fast_softcap = training;
-            const int64_t parts = V / 128;
             if (fused_loss)
                 CUDA_CHECK(lm_head_logits_fp8(xf8_ + (int64_t)r0 * D, wf8t_, rows, V, D,
                                               (float)args_.lm_head_x_s * (float)args_.lm_head_w_s, cp, logits_,
-                                              lse_parts_, parts, s));
+                                              lse_parts_, lm_head_loss_parts(V), s));
             else if (training)
                 gemms_.fp8(s, rows, V, D, xf8_ + (int64_t)r0 * D, CUDA_R_8F_E4M3, D, wf8t_, CUDA_R_8F_E4M3, D, logits_, V,
                            false, scales_[0], scales_[1], true);
             else
                 gemms_.bf16(s, Op::N, Op::N, rows, V, D, xn_ + (int64_t)r0 * D, D, lm_head, V, logits_, V, false);
             profile_mark(Part::Loss, s);
-            if (fused_loss) CUDA_CHECK(softcapped_ce_from_partials(cp, lse_parts_, parts, s));
+            if (fused_loss) CUDA_CHECK(softcapped_ce_from_partials(cp, lse_parts_, lm_head_loss_parts(V), s));
             else CUDA_CHECK(softcapped_cross_entropy(cp, s));
             if (training) {  // the gradient of the logits, e5m2, in the two layouts of the GEMMs below
                 side_wait(ev_head_, s);  // (the last chunk's weight gradient has read g^T)

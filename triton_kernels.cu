@@ -1135,7 +1135,8 @@ __device__ __forceinline__ float softcap(const Params& p, float nic, float x) {
 // The soft-cap through tanh.approx (training's passes): a sigmoid((x + b) / c) = h (1 + t) with
 // h = a / 2, t = tanh((x + b) / 2c)
 struct TanhCap {
-    float h, T1, T0;
+    float h = 0.f, T1 = 0.f, T0 = 0.f;
+    TanhCap() = default;
     __host__ __device__ explicit TanhCap(const Params& p) : h(0.5f * p.a), T1(0.5f / p.c), T0(0.5f * p.b / p.c) {}
     __device__ float t(float x) const { return tk::fast_tanh(fmaf(x, T1, T0)); }
 };
@@ -1548,19 +1549,25 @@ static_assert(SMEM<true> <= 232448 && SMEM<false> <= 232448, "shared memory");
 using tk::mbar_arrive, tk::mbar_expect_tx, tk::mbar_init, tk::mbar_wait, tk::tma_load_2d;
 
 // EPI 2 (the lm_head's logits): the output scale, and each row's sum of exp(softcap(logit)) per
-// 128-column tile into partial (row stride ld_partial), with the soft-cap's tanh form (ce::TanhCap)
+// 128-column tile into partial (row stride ld_partial), with the training loss's soft-cap (tanh form)
 struct EpiArgs {
     float scale = 1.f;
     float* partial = nullptr;
     int64_t ld_partial = 0;
-    float T1 = 0.f, T0 = 0.f, hL = 0.f;  // t = tanh(x T1 + T0); exp(softcap(x)) = 2^(hL t + hL)
+    ce::TanhCap cap;
+    float hL = 0.f;  // exp(softcap(x)) = 2^(hL t(x) + hL)
 };
 
-// EPI 2's staging: the scaled accumulators as bf16 (as stage_tile), and the four rows' sums of
-// exp(softcap()) of those bf16 logits over this thread's columns into sums[2 mh + h]
-template <typename Addr>
-__device__ __forceinline__ void stage_logits(const float* acc, int warp, int lane, Addr addr, const EpiArgs& ea,
-                                             float sums[4]) {
+// A consumer's accumulators as bf16 into its staging tile, at addr(row, j) for the 4-byte pair of
+// columns 8j + 2 (lane % 4) of a row (accumulator [n8 tile j][e] of rows 0-63 in acc[0..63], of rows
+// 64-127 in acc[64..127], at row warp * 16 + lane / 4, + 8 for e >= 2): the forward's pre, or with POST
+// post = relu(pre)^2 of that bf16 pre; the backward's dpre = 2 relu(pre) bf16(acc) over the pre there;
+// EPI 2: the logits scale * acc, and the four rows' sums of exp(softcap()) of those bf16 logits over
+// this thread's columns into sums[2 mh + h]
+template <int EPI, bool POST, typename Addr>
+__device__ __forceinline__ void stage_tile(const float* acc, int warp, int lane, Addr addr, const EpiArgs& ea = {},
+                                           float* sums = nullptr) {
+    const float scale = EPI == 2 ? ea.scale : 1.f;
 #pragma unroll
     for (int mh = 0; mh < 2; ++mh)
 #pragma unroll
@@ -1568,31 +1575,15 @@ __device__ __forceinline__ void stage_logits(const float* acc, int warp, int lan
             float sum = 0.f;
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
-                const uint32_t v = tk::pack_bf16(acc[64 * mh + 4 * j + 2 * h] * ea.scale,
-                                                 acc[64 * mh + 4 * j + 2 * h + 1] * ea.scale);
-                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr(64 * mh + warp * 16 + lane / 4 + 8 * h, j)), "r"(v));
-                const float lo = __uint_as_float(v << 16), hi = __uint_as_float(v & 0xffff0000u);
-                sum += tk::fast_exp2(fmaf(tk::fast_tanh(fmaf(lo, ea.T1, ea.T0)), ea.hL, ea.hL));
-                sum += tk::fast_exp2(fmaf(tk::fast_tanh(fmaf(hi, ea.T1, ea.T0)), ea.hL, ea.hL));
-            }
-            sums[2 * mh + h] = sum;
-        }
-}
-
-// A consumer's accumulators as bf16 into its staging tile, at addr(row, j) for the 4-byte pair of
-// columns 8j + 2 (lane % 4) of a row (accumulator [n8 tile j][e] of rows 0-63 in acc[0..63], of rows
-// 64-127 in acc[64..127], at row warp * 16 + lane / 4, + 8 for e >= 2): the forward's pre, or with POST
-// post = relu(pre)^2 of that bf16 pre; the backward's dpre = 2 relu(pre) bf16(acc) over the pre there
-template <int EPI, bool POST, typename Addr>
-__device__ __forceinline__ void stage_tile(const float* acc, int warp, int lane, Addr addr) {
-#pragma unroll
-    for (int mh = 0; mh < 2; ++mh)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
                 const uint32_t at = addr(64 * mh + warp * 16 + lane / 4 + 8 * h, j);
-                uint32_t v = tk::pack_bf16(acc[64 * mh + 4 * j + 2 * h], acc[64 * mh + 4 * j + 2 * h + 1]);
+                uint32_t v = EPI == 2 ? tk::pack_bf16(acc[64 * mh + 4 * j + 2 * h] * scale,
+                                                      acc[64 * mh + 4 * j + 2 * h + 1] * scale)
+                                      : tk::pack_bf16(acc[64 * mh + 4 * j + 2 * h], acc[64 * mh + 4 * j + 2 * h + 1]);
+                if constexpr (EPI == 2) {
+                    const float lo = __uint_as_float(v << 16), hi = __uint_as_float(v & 0xffff0000u);
+                    sum += tk::fast_exp2(fmaf(ea.cap.t(lo), ea.hL, ea.hL));
+                    sum += tk::fast_exp2(fmaf(ea.cap.t(hi), ea.hL, ea.hL));
+                }
                 if (EPI == 1 || POST) {
                     uint32_t pu = v;
                     if (EPI == 1) asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(pu) : "r"(at));
@@ -1603,6 +1594,8 @@ __device__ __forceinline__ void stage_tile(const float* acc, int warp, int lane,
                 }
                 asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(v));
             }
+            if constexpr (EPI == 2) sums[2 * mh + h] = sum;
+        }
 }
 
 // The TMA epilogue of a consumer's tile: the accumulators (rows 0-63 in acc[0..63], 64-127 in
@@ -1769,7 +1762,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         auto staged = [&](int r, int j) { return tile + r * STAGE_ROW + (8 * j + 2 * (lane % 4)) * 2; };
         if constexpr (EPI == 2) {
             float sums[4];
-            stage_logits(acc, warp % 4, lane, staged, ea, sums);
+            stage_tile<EPI, false>(acc, warp % 4, lane, staged, ea, sums);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {  // the quad's 4 x 8 columns of the row, in a fixed order
                 float v = sums[i];
@@ -1845,6 +1838,9 @@ inline cudaError_t linear_relu_square_backward(const __nv_bfloat16* dout, const 
                : lrs::launch<1, false>(dout, w, rows, n, k, dpre, nullptr, pre, stream);
 }
 
+// the partial sums a row of n logits gets from lm_head_logits_fp8 (one a 128-column tile)
+inline int lm_head_loss_parts(int n) { return n / lrs::BN; }
+
 // Training's lm_head forward with the loss's first pass in its epilogue: logits = bf16(scale x w^T)
 // for x (rows x k) and w (n x k) in e4m3, both contiguous (the GEMM as cuBLASLt's with fast_accum),
 // and each row's sum of exp(softcap(logit)) over each 128 columns into partial (rows x n / 128, row
@@ -1854,11 +1850,10 @@ inline cudaError_t linear_relu_square_backward(const __nv_bfloat16* dout, const 
 inline cudaError_t lm_head_logits_fp8(const uint8_t* x, const uint8_t* w, int rows, int n, int k, float scale,
                                       const ce::Params& p, __nv_bfloat16* logits, float* partial, int64_t ld_partial,
                                       cudaStream_t stream) {
-    if (n % lrs::BN || k % 128 || ld_partial < n / lrs::BN) return cudaErrorInvalidValue;
-    const ce::TanhCap tc(p);
+    if (n % lrs::BN || k % 128 || ld_partial < lm_head_loss_parts(n)) return cudaErrorInvalidValue;
     lrs::EpiArgs ea;
     ea.scale = scale, ea.partial = partial, ea.ld_partial = ld_partial;
-    ea.T1 = tc.T1, ea.T0 = tc.T0, ea.hL = tc.h * 1.4426950408889634f;
+    ea.cap = ce::TanhCap(p), ea.hL = ea.cap.h * 1.4426950408889634f;
     return lrs::launch<2, false>(x, w, rows, n, k / 2, logits, nullptr, nullptr, stream, ea);
 }
 
@@ -1867,7 +1862,8 @@ inline cudaError_t softcapped_ce_from_partials(const ce::Params& p, const float*
                                                cudaStream_t stream) {
     if (p.vocab % lrs::BN || !p.lse || p.n_predict < 1 || p.n_predict > ce::MAX_PREDICT) return cudaErrorInvalidValue;
     if (p.rows <= 0) return cudaSuccess;
-    ce::loss_from_partials_kernel<<<(p.rows + 7) / 8, 256, 0, stream>>>(p, partial, ld_partial, p.vocab / lrs::BN);
+    ce::loss_from_partials_kernel<<<(p.rows + 7) / 8, 256, 0, stream>>>(p, partial, ld_partial,
+                                                                         lm_head_loss_parts(p.vocab));
     return cudaGetLastError();
 }
 

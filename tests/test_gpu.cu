@@ -623,7 +623,7 @@ static void lm_head_loss_case(Gemms& gemms, int rows, int n, int k, uint64_t see
     std::vector<int> targets(rows + 2);
     for (auto& t : targets) t = (int)(rng() % n);
     const std::vector<float> wts = {1.f, 0.5f, 0.25f};
-    const int parts = n / 128;
+    const int parts = lm_head_loss_parts(n);
     const int64_t ld_parts = parts + 3;
     DeviceArray<uint8_t> dx(x), dw(w);
     DeviceArray<int> dt(targets);
