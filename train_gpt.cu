@@ -109,6 +109,8 @@ extern char** environ;
     X(BOOL, fused_mlp, true, "the MLP's c_fc GEMM with ReLU^2 in its epilogue, and its backward's (false: cuBLASLt + a pass)") \
     X(BOOL, mlp_tma_epilogue, false,                                                                                \
       "the fused MLP GEMMs' tiles stored (and the backward's pre tile loaded) by TMA, not by the threads (same bits)") \
+    X(BOOL, mlp_wide_forward, true,                                                                                 \
+      "the MLP's fused forward GEMM on 128 x 256 tiles, its epilogue in warps of its own (same bits; before the TMA epilogue)") \
     X(BOOL, overlap_wgrad, true,                                                                                    \
       "the backward's weight-gradient GEMMs on a second stream, beside the data gradients (not while profiling)")  \
     X(BOOL, fused_lm_head_loss, false,                                                                              \
@@ -2179,7 +2181,8 @@ class Model {
             if (attn) CUDA_CHECK(rms_norm_forward(l.x_attn, D, l.xn_m, D, l.rstd_m, T, D, RMS_NORM_EPS, s));
             if (args_.fused_mlp) {
                 fused_gemm_mark(T, 4 * D, D, s);
-                CUDA_CHECK(linear_relu_square_forward(l.xn_m, c_fc(i), T, 4 * D, D, l.pre, l.post, s, args_.mlp_tma_epilogue));
+                CUDA_CHECK(linear_relu_square_forward(l.xn_m, c_fc(i), T, 4 * D, D, l.pre, l.post, s, args_.mlp_tma_epilogue,
+                                                      args_.mlp_wide_forward));
                 profile_mark(Part::Elementwise, s);
             } else {
                 gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, l.xn_m, D, c_fc(i), D, l.pre, 4 * D, false);

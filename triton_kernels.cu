@@ -28,6 +28,8 @@
 //     aux=pre 2 dpost relu(pre) (--fused_mlp false)
 //   linear_relu_square fused: the c_fc GEMM with        lrs        linear_relu_square_forward /
 //     relu(pre)^2, the dpost GEMM with 2 dpost relu(pre)           linear_relu_square_backward
+//     (128 x 128 ping-pong tiles, or 128 x 256 with an             (gemm_kernel, wide_gemm_kernel)
+//     epilogue in warps of its own)
 //   mm_t_op's fp8 casts of x and w (e4m3), row-major    fp8cast    cast_to_fp8
 //     and transposed (the backward's x_f8.T, w_f8.T)
 //   QK norm + rotary (Yarn, YarnPairedHead) + the       qkrope     rope_table (Yarn's cos/sin tables),
@@ -137,6 +139,25 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_ss(float* d, uint64_t da, 
         "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db));
+}
+// the 128 accumulator operands of an m64n256 MMA
+#define TK_ACC128(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+// d (64 x 256) += A (64 x 16, smem) . B (16 x 256, smem), both K-major: B's tile read once for 256
+// columns, where two m64n128 MMAs read their A and B for 128 each
+__device__ __forceinline__ void wgmma_m64n256k16_ss(float* d, uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        : TK_ACC128(d)
+        : "l"(da), "l"(db));
+}
+// the same in e4m3, 32 of k (the fp8 layout of wgmma_m64n128k32_e4m3_ss)
+__device__ __forceinline__ void wgmma_m64n256k32_e4m3_ss(float* d, uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1;\n}\n"
+        : TK_ACC128(d)
         : "l"(da), "l"(db));
 }
 __device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
@@ -1629,6 +1650,55 @@ __device__ __forceinline__ void epilogue_tma(const float* acc, uint32_t tile, ui
     }
 }
 
+// The tile order and the stage pipeline that gemm_kernel and wide_gemm_kernel share. Tiles run along
+// the wider side of C: the CTAs at work at once share the narrower operand's few tiles and sweep the
+// wider one's, so that the narrower stays in L2 (the MLP: all of w; the lm_head's 8192-row chunks: all
+// of x, where sweeping rows would stream its 38.6 MB of w from DRAM once per 128 rows).
+__device__ __forceinline__ void tile_origin(int t, int MT, int NT, int bn, int& m0, int& n0) {
+    if (MT <= NT) m0 = t % MT * BM, n0 = t / MT * bn;
+    else m0 = t / NT * BM, n0 = t % NT * bn;
+}
+// The producer (one thread): the A (BM rows) and B (bn rows) boxes of the CTA's tiles k-tile by k-tile
+// through the STAGES buffers (full[s] at bars + 8s, empty[s] at bars + 8 (STAGES + s)); a box's rows
+// past M or N count toward the bytes too (zeros)
+template <int STAGES, int A_BYTES, int STAGE_BYTES>
+__device__ __forceinline__ void produce(const CUtensorMap* ta, const CUtensorMap* tb, uint32_t base, uint32_t bars,
+                                        int tiles, int KT, int MT, int NT, int bn) {
+    int q = 0;  // position in the CTA's sequence of k-tiles, over all its output tiles
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        int m0, n0;
+        tile_origin(t, MT, NT, bn, m0, n0);
+        for (int kt = 0; kt < KT; ++kt, ++q) {
+            const int s = q % STAGES;
+            if (q >= STAGES) mbar_wait(bars + 8 * (STAGES + s), ((q / STAGES) & 1) ^ 1);
+            const uint32_t full = bars + 8 * s, sa = base + s * STAGE_BYTES;
+            mbar_expect_tx(full, STAGE_BYTES);
+            tma_load_2d(sa, ta, kt * BK, m0, full);
+            tma_load_2d(sa + A_BYTES, tb, kt * BK, n0, full);
+        }
+    }
+}
+// A consumer's k loop over its tile's stages (q0: the CTA's k-tiles before this tile): wait for each
+// stage's copies, then after(kt), issue mma(the stage's address), and hand the previous stage back
+// once its MMAs are done; at the end the last one's, with acc complete
+template <int STAGES, int STAGE_BYTES, typename After, typename Mma>
+__device__ __forceinline__ void consume(float* acc, uint32_t base, uint32_t bars, int q0, int KT, int t128, After after,
+                                        Mma mma) {
+    for (int kt = 0; kt < KT; ++kt) {
+        const int q = q0 + kt, s = q % STAGES;
+        mbar_wait(bars + 8 * s, (q / STAGES) & 1);
+        after(kt);
+        tk::wgmma_fence();
+        mma(base + s * STAGE_BYTES);
+        tk::wgmma_commit();
+        tk::wgmma_wait1();  // the previous stage's MMAs are done: hand its buffers back
+        if (kt > 0 && t128 == 0) mbar_arrive(bars + 8 * (STAGES + (q - 1) % STAGES));
+    }
+    tk::wgmma_wait_all();
+    tk::fence_regs<128>(acc);
+    if (t128 == 0) mbar_arrive(bars + 8 * (STAGES + (q0 + KT - 1) % STAGES));
+}
+
 // Persistent, one CTA an SM, in ping-pong (CUTLASS's warp-specialized ping-pong schedule): a producer
 // warp streams the A and B tiles of the CTA's output tiles, in order, through the STAGES buffers; the two
 // consumer warpgroups take the tiles in turn, each a whole 128 x 128 tile, so that one's epilogue (the
@@ -1650,14 +1720,6 @@ __global__ void __launch_bounds__(THREADS, 1)
     const uint32_t bars = staging + 2 * STAGING_BYTES;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int KT = K / BK, NT = N / BN, MT = (M + BM - 1) / BM, tiles = MT * NT;
-    // the tiles in order along the wider side of C: the CTAs at work at once share the narrower
-    // operand's few tiles and sweep the wider one's, so that the narrower stays in L2 (the MLP: all of
-    // w; the lm_head's 8192-row chunks: all of x, where sweeping rows would stream its 38.6 MB of w
-    // from DRAM once per 128 rows)
-    auto tile_at = [&](int t, int& m0, int& n0) {
-        if (MT <= NT) m0 = t % MT * BM, n0 = t / MT * BN;
-        else m0 = t / NT * BM, n0 = t % NT * BN;
-    };
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s, 1), mbar_init(bars + 8 * (STAGES + s), 1);
         for (int b = 2 * STAGES; b < 2 * STAGES + 4; ++b) mbar_init(bars + 8 * b, 1);
@@ -1666,21 +1728,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     __syncthreads();
     if (warp < 4) {  // the producer warpgroup: one thread issues the loads
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-        if (threadIdx.x == 0) {
-            int q = 0;  // position in the CTA's sequence of k-tiles, over all its output tiles
-            for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-                int m0, n0;
-                tile_at(t, m0, n0);
-                for (int kt = 0; kt < KT; ++kt, ++q) {
-                    const int s = q % STAGES;
-                    if (q >= STAGES) mbar_wait(bars + 8 * (STAGES + s), ((q / STAGES) & 1) ^ 1);
-                    const uint32_t full = bars + 8 * s, sa = base + s * STAGE_BYTES;
-                    mbar_expect_tx(full, STAGE_BYTES);
-                    tma_load_2d(sa, &ta, kt * BK, m0, full);
-                    tma_load_2d(sa + A_BYTES, &tb, kt * BK, n0, full);
-                }
-            }
-        }
+        if (threadIdx.x == 0) produce<STAGES, A_BYTES, STAGE_BYTES>(&ta, &tb, base, bars, tiles, KT, MT, NT, BN);
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
@@ -1691,7 +1739,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int t = blockIdx.x + i * gridDim.x;
         if (t >= tiles) break;
         int m0, n0;
-        tile_at(t, m0, n0);
+        tile_origin(t, MT, NT, BN, m0, n0);
         // the epilogue goes through shared memory, so that the global stores (and the backward's loads
         // of pre) are whole 16-byte chunks, 16 threads to a row: the tile in bf16, row stride STAGE_ROW
         // (padded 16 bytes so that the fragment accesses hit 32 banks). Once the last tile's reads of it
@@ -1725,31 +1773,23 @@ __global__ void __launch_bounds__(THREADS, 1)
         const uint32_t my_turn = bars + 8 * (2 * STAGES + wg), their_turn = bars + 8 * (2 * STAGES + 1 - wg);
         if (i > 0) mbar_wait(my_turn, ((i - 1) / 2) & 1);
         const int q0 = i * KT;
-        for (int kt = 0; kt < KT; ++kt) {
-            const int q = q0 + kt, s = q % STAGES;
-            mbar_wait(bars + 8 * s, (q / STAGES) & 1);
-            if (kt == KT - 1 && t128 == 0) mbar_arrive(their_turn);
-            const uint32_t sa = base + s * STAGE_BYTES, sb = sa + A_BYTES;
-            tk::wgmma_fence();
+        consume<STAGES, STAGE_BYTES>(
+            acc, base, bars, q0, KT, t128, [&](int kt) { if (kt == KT - 1 && t128 == 0) mbar_arrive(their_turn); },
+            [&](uint32_t sa) {
+                const uint32_t sb = sa + A_BYTES;
 #pragma unroll
-            for (int kk = 0; kk < BK / 16; ++kk) {
-                const uint64_t db = tk::smem_desc(sb + kk * 32, 16, 1024);
-                const uint64_t da0 = tk::smem_desc(sa + kk * 32, 16, 1024), da1 = tk::smem_desc(sa + 64 * 128 + kk * 32, 16, 1024);
-                if constexpr (EPI == 2) {  // 32 fp8 values of k in the 32 bytes that hold 16 bf16 ones
-                    tk::wgmma_m64n128k32_e4m3_ss(acc, da0, db);
-                    tk::wgmma_m64n128k32_e4m3_ss(acc + 64, da1, db);
-                } else {
-                    tk::wgmma_m64n128k16_ss<0>(acc, da0, db);
-                    tk::wgmma_m64n128k16_ss<0>(acc + 64, da1, db);
+                for (int kk = 0; kk < BK / 16; ++kk) {
+                    const uint64_t db = tk::smem_desc(sb + kk * 32, 16, 1024);
+                    const uint64_t da0 = tk::smem_desc(sa + kk * 32, 16, 1024), da1 = tk::smem_desc(sa + 64 * 128 + kk * 32, 16, 1024);
+                    if constexpr (EPI == 2) {  // 32 fp8 values of k in the 32 bytes that hold 16 bf16 ones
+                        tk::wgmma_m64n128k32_e4m3_ss(acc, da0, db);
+                        tk::wgmma_m64n128k32_e4m3_ss(acc + 64, da1, db);
+                    } else {
+                        tk::wgmma_m64n128k16_ss<0>(acc, da0, db);
+                        tk::wgmma_m64n128k16_ss<0>(acc + 64, da1, db);
+                    }
                 }
-            }
-            tk::wgmma_commit();
-            tk::wgmma_wait1();  // the previous stage's MMAs are done: hand its buffers back
-            if (kt > 0 && t128 == 0) mbar_arrive(bars + 8 * (STAGES + (q - 1) % STAGES));
-        }
-        tk::wgmma_wait_all();
-        tk::fence_regs<128>(acc);
-        if (t128 == 0) mbar_arrive(bars + 8 * (STAGES + (q0 + KT - 1) % STAGES));
+            });
         if (TMA) {
             epilogue_tma<EPI>(acc, tile, pre_bar, (i / 2) & 1, wg, t128, &tc0, &tc1, m0, n0);
             continue;
@@ -1819,13 +1859,184 @@ inline cudaError_t launch(const void* a, const void* w, int rows, int n, int k, 
                                                                                     pre, n, ea);
     return cudaGetLastError();
 }
+
+// Wide tiles (--mlp_wide_forward): each CTA takes 128 x 256 output tiles, its two consumer warpgroups
+// 64 rows each with m64n256 MMAs, and the producer warpgroup's other three warps run the epilogue. The
+// ping-pong above reads 20 KB of shared memory per 128 x 128 x 16 (its m64n128 pairs read B twice, and
+// the TMA writes A and B), these tiles 16 KB, and the SM's shared memory (128 bytes a cycle) is what
+// bounds both, the epilogue's staging included. The consumers leave their accumulators in bf16 in the
+// staging tile and go on to the next tile's MMAs (the cooperative kernel had waited for its stores);
+// the epilogue warps take the tile from there, a warp a row of 256 columns in 16-byte chunks: pre and
+// post, dpre over its pre, or the logits and their rows' sums of exp(softcap) per 128 columns. (Not a
+// fourth warpgroup: at 512 threads ptxas compiles every instruction within 128 registers, and an m64n256
+// MMA needs about 154.) Timed alone at a 393k micro-batch: the forward 347 us against the ping-pong's
+// 375, the backward 439 against 409 and the lm_head's 945 against 680 a chunk: three warps are too few
+// for those two epilogues (the backward's pre loads, two SFU operations a logit), so the trainer runs
+// only the forward this way.
+namespace wide {
+constexpr int BN = 256, STAGES = 3, EPI_WARPS = 3;
+constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int STAGE_ROW = BN * 2 + 16;  // the staging's bf16 rows, padded: the fragments' stores hit 32 banks
+constexpr int SMEM = STAGES * STAGE_BYTES + BM * STAGE_ROW + 1024 + 8 * (2 * STAGES + 2);
+static_assert(SMEM <= 232448, "shared memory");
+}  // namespace wide
+
+template <int EPI>
+__global__ void __launch_bounds__(THREADS, 1)
+    wide_gemm_kernel(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb, int M, int N, int K,
+                     __nv_bfloat16* c0, __nv_bfloat16* c1, const __nv_bfloat16* pre, int64_t ldc, const EpiArgs ea) {
+    constexpr int BN = wide::BN, STAGES = wide::STAGES, A_BYTES = wide::A_BYTES, STAGE_BYTES = wide::STAGE_BYTES,
+                  STAGE_ROW = wide::STAGE_ROW, EPI_WARPS = wide::EPI_WARPS;
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t base = (tk::smem_u32(smem_raw) + 1023) & ~1023u;
+    const uint32_t staging = base + STAGES * STAGE_BYTES;
+    // full[s] at bars + 8s, empty[s] at bars + 8 (STAGES + s), staged at bars + 16 STAGES, freed after it
+    const uint32_t bars = staging + BM * STAGE_ROW, staged = bars + 16 * STAGES, freed = staged + 8;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t128 = threadIdx.x % 128;
+    const int KT = K / BK, NT = (N + BN - 1) / BN, MT = (M + BM - 1) / BM, tiles = MT * NT;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s, 1), mbar_init(bars + 8 * (STAGES + s), 2);
+        mbar_init(staged, 256), mbar_init(freed, 32 * EPI_WARPS);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (warp >= 4) {  // the consumers: rows 64 wg .. 64 wg + 63 of each tile
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 200;\n");
+        const int wg = warp / 4 - 1;
+        for (int i = 0;; ++i) {
+            const int t = blockIdx.x + i * gridDim.x;
+            if (t >= tiles) break;
+            float acc[128];
+#pragma unroll
+            for (int j = 0; j < 128; ++j) acc[j] = 0.f;
+            consume<STAGES, STAGE_BYTES>(acc, base, bars, i * KT, KT, t128, [](int) {}, [&](uint32_t stage) {
+                const uint32_t sa = stage + wg * 64 * 128, sb = stage + A_BYTES;
+#pragma unroll
+                for (int kk = 0; kk < BK / 16; ++kk) {
+                    const uint64_t da = tk::smem_desc(sa + kk * 32, 16, 1024), db = tk::smem_desc(sb + kk * 32, 16, 1024);
+                    if constexpr (EPI == 2) tk::wgmma_m64n256k32_e4m3_ss(acc, da, db);
+                    else tk::wgmma_m64n256k16_ss(acc, da, db);
+                }
+            });
+            if (i > 0) mbar_wait(freed, (i - 1) & 1);  // the epilogue has read the last tile's staging
+            const float scale = EPI == 2 ? ea.scale : 1.f;
+            const uint32_t at = staging + (64 * wg + (warp % 4) * 16 + lane / 4) * STAGE_ROW + 4 * (lane % 4);
+#pragma unroll
+            for (int j = 0; j < 32; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float lo = acc[4 * j + 2 * h] * scale, hi = acc[4 * j + 2 * h + 1] * scale;
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + 8 * h * STAGE_ROW + 16 * j), "r"(tk::pack_bf16(lo, hi)));
+                }
+            mbar_arrive(staged);
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 104;\n");
+    if (warp == 0) {  // the producer: one thread issues the loads
+        if (lane == 0) produce<STAGES, A_BYTES, STAGE_BYTES>(&ta, &tb, base, bars, tiles, KT, MT, NT, BN);
+        return;
+    }
+    // the epilogue: warp ew takes rows ew, ew + 3, ... of the staged tile, 8 columns a lane, 8 rows at a
+    // time (one warp a scheduler: the rows' work is what hides the latencies); the backward loads the
+    // next 8 rows' pre while it works on these, the first before the tile is staged
+    constexpr int GROUP = 8, STEP = GROUP * EPI_WARPS;
+    const int ew = warp - 1;
+    auto load_pre = [&](uint4* pv, int m0, int r0, int col) {
+#pragma unroll
+        for (int u = 0; u < GROUP; ++u) {
+            const int r = r0 + EPI_WARPS * u, row = m0 + r;
+            pv[u] = r < BM && row < M && col < N ? *reinterpret_cast<const uint4*>(pre + (int64_t)row * ldc + col)
+                                                 : make_uint4(0, 0, 0, 0);
+        }
+    };
+    for (int i = 0;; ++i) {
+        const int t = blockIdx.x + i * gridDim.x;
+        if (t >= tiles) break;
+        int m0, n0;
+        tile_origin(t, MT, NT, BN, m0, n0);
+        const int col = n0 + 8 * lane;
+        uint4 pv[GROUP], pn[GROUP];
+        if constexpr (EPI == 1) load_pre(pv, m0, ew, col);
+        mbar_wait(staged, i & 1);
+#pragma unroll 1
+        for (int r0 = ew; r0 < BM; r0 += STEP) {
+            if constexpr (EPI == 1) {
+                if (r0 + STEP < BM) load_pre(pn, m0, r0 + STEP, col);
+            }
+            uint4 v[GROUP];
+#pragma unroll
+            for (int u = 0; u < GROUP; ++u) v[u] = tk::lds128(staging + min(r0 + EPI_WARPS * u, BM - 1) * STAGE_ROW + 16 * lane);
+            float sums[GROUP];
+#pragma unroll
+            for (int u = 0; u < GROUP; ++u) {
+                const int r = r0 + EPI_WARPS * u, row = m0 + r;
+                const bool ok = r < BM && row < M && col < N;
+                __nv_bfloat16* out = c0 + (int64_t)row * ldc + col;
+                float f[8], o[8];
+                tk::load8(reinterpret_cast<const __nv_bfloat16*>(&v[u]), f);
+                if constexpr (EPI == 0) {  // pre, and post = relu(pre)^2 of the bf16 pre
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) o[e] = fmaxf(f[e], 0.f) * fmaxf(f[e], 0.f);
+                    if (ok) tk::stg128(out, v[u]), tk::store8(c1 + (int64_t)row * ldc + col, o);
+                } else if constexpr (EPI == 1) {  // dpre = 2 relu(pre) bf16(acc)
+                    float p[8];
+                    tk::load8(reinterpret_cast<const __nv_bfloat16*>(&pv[u]), p);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) o[e] = 2.f * f[e] * fmaxf(p[e], 0.f);
+                    if (ok) tk::store8(out, o);
+                } else {  // the logits, and the lane's part of its 128 columns' sum of exp(softcap())
+                    sums[u] = 0.f;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) sums[u] += tk::fast_exp2(fmaf(ea.cap.t(f[e]), ea.hL, ea.hL));
+                    if (ok) tk::stg128(out, v[u]);
+                }
+            }
+            if constexpr (EPI == 1) {
+#pragma unroll
+                for (int u = 0; u < GROUP; ++u) pv[u] = pn[u];
+            }
+            if constexpr (EPI == 2) {  // each half warp's sums, the 8 rows side by side
+#pragma unroll
+                for (int off = 8; off > 0; off >>= 1)
+#pragma unroll
+                    for (int u = 0; u < GROUP; ++u) sums[u] += __shfl_xor_sync(0xffffffffu, sums[u], off);
+#pragma unroll
+                for (int u = 0; u < GROUP; ++u) {
+                    const int r = r0 + EPI_WARPS * u, row = m0 + r;
+                    if (lane % 16 == 0 && r < BM && row < M && col < N) ea.partial[row * ea.ld_partial + col / 128] = sums[u];
+                }
+            }
+        }
+        mbar_arrive(freed);  // this thread's reads of the staging are done
+    }
+}
+
+// k: the operands' width in bf16 (EPI 2: half their fp8 width)
+template <int EPI>
+inline cudaError_t launch_wide(const void* a, const void* w, int rows, int n, int k, __nv_bfloat16* c0,
+                               __nv_bfloat16* c1, const __nv_bfloat16* pre, cudaStream_t stream, const EpiArgs& ea = {}) {
+    if (n % 128 || k % BK || rows <= 0) return rows == 0 ? cudaSuccess : cudaErrorInvalidValue;
+    CUtensorMap ta, tb;
+    if (tk::make_matrix_map(&ta, a, rows, k, k, BM) != CUDA_SUCCESS ||
+        tk::make_matrix_map(&tb, w, n, k, k, wide::BN) != CUDA_SUCCESS)
+        return cudaErrorInvalidValue;
+    static bool smem_set = false;
+    cudaError_t e = tk::allow_smem(wide_gemm_kernel<EPI>, wide::SMEM, smem_set);
+    if (e != cudaSuccess) return e;
+    const int tiles = (rows + BM - 1) / BM * ((n + wide::BN - 1) / wide::BN);
+    wide_gemm_kernel<EPI><<<std::min(tiles, tk::num_sms()), THREADS, wide::SMEM, stream>>>(ta, tb, rows, n, k, c0, c1,
+                                                                                                pre, n, ea);
+    return cudaGetLastError();
+}
 }  // namespace lrs
 
 // pre = x w^T and post = relu(pre)^2 (x: rows x k, w: n x k, pre and post: rows x n; all contiguous,
 // n a multiple of 128, k of 64). tma: the epilogue's stores by TMA (the same values).
 inline cudaError_t linear_relu_square_forward(const __nv_bfloat16* x, const __nv_bfloat16* w, int rows, int n, int k,
                                               __nv_bfloat16* pre, __nv_bfloat16* post, cudaStream_t stream,
-                                              bool tma = false) {
+                                              bool tma = false, bool wide = false) {
+    if (wide) return lrs::launch_wide<0>(x, w, rows, n, k, pre, post, nullptr, stream);
     return tma ? lrs::launch<0, true>(x, w, rows, n, k, pre, post, nullptr, stream)
                : lrs::launch<0, false>(x, w, rows, n, k, pre, post, nullptr, stream);
 }
@@ -1833,7 +2044,8 @@ inline cudaError_t linear_relu_square_forward(const __nv_bfloat16* x, const __nv
 // dout rows x k, w n x k (the c_proj weight, whose rows are the MLP's hidden units), pre and dpre rows x n
 inline cudaError_t linear_relu_square_backward(const __nv_bfloat16* dout, const __nv_bfloat16* w, int rows, int n, int k,
                                                const __nv_bfloat16* pre, __nv_bfloat16* dpre, cudaStream_t stream,
-                                               bool tma = false) {
+                                               bool tma = false, bool wide = false) {
+    if (wide) return lrs::launch_wide<1>(dout, w, rows, n, k, dpre, nullptr, pre, stream);
     return tma ? lrs::launch<1, true>(dout, w, rows, n, k, dpre, nullptr, pre, stream)
                : lrs::launch<1, false>(dout, w, rows, n, k, dpre, nullptr, pre, stream);
 }
@@ -1849,12 +2061,13 @@ inline int lm_head_loss_parts(int n) { return n / lrs::BN; }
 // n a multiple of 128, k of 128.
 inline cudaError_t lm_head_logits_fp8(const uint8_t* x, const uint8_t* w, int rows, int n, int k, float scale,
                                       const ce::Params& p, __nv_bfloat16* logits, float* partial, int64_t ld_partial,
-                                      cudaStream_t stream) {
+                                      cudaStream_t stream, bool wide = false) {
     if (n % lrs::BN || k % 128 || ld_partial < lm_head_loss_parts(n)) return cudaErrorInvalidValue;
     lrs::EpiArgs ea;
     ea.scale = scale, ea.partial = partial, ea.ld_partial = ld_partial;
     ea.cap = ce::TanhCap(p), ea.hL = ea.cap.h * 1.4426950408889634f;
-    return lrs::launch<2, false>(x, w, rows, n, k / 2, logits, nullptr, nullptr, stream, ea);
+    return wide ? lrs::launch_wide<2>(x, w, rows, n, k / 2, logits, nullptr, nullptr, stream, ea)
+                : lrs::launch<2, false>(x, w, rows, n, k / 2, logits, nullptr, nullptr, stream, ea);
 }
 
 // The rows' losses and lse from lm_head_logits_fp8's partial sums (p.logits: its logits, p.lse set)

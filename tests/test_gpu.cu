@@ -599,21 +599,27 @@ static void linear_relu_square_case(int rows, int n, int k, uint64_t seed, int r
     CHECK(e < 1e-2 && ed < 1e-2 && unwritten == 0 && post_bad == 0 && dpre_far == 0,
           "linear + relu^2 rows %d: pre %.2e dpre %.2e, %lld unwritten, %lld post values differ, %lld dpre values off",
           rows, e, ed, (long long)unwritten, (long long)post_bad, (long long)dpre_far);
-    // the TMA epilogue (--mlp_tma_epilogue): the same bits in every output, into poisoned buffers
-    DeviceArray<uint16_t> pre2((size_t)rows * n), post2((size_t)rows * n), dpre2((size_t)rows * n);
-    pre2.poison(), post2.poison(), dpre2.poison();
-    CUDA_CHECK(linear_relu_square_forward(bf(dx.ptr), bf(dw.ptr), rows, n, k, bf(pre2.ptr), bf(post2.ptr), 0, true));
-    CUDA_CHECK(linear_relu_square_backward(bf(ddout.ptr), bf(dw2.ptr), rows, n, k, bf(pre2.ptr), bf(dpre2.ptr), 0, true));
-    CUDA_CHECK(cudaDeviceSynchronize());
-    const bool same = pre2.download() == hp && post2.download() == hq && dpre2.download() == hd;
-    printf("    the TMA epilogue: %s\n", same ? "the same bits" : "DIFFERENT");
-    CHECK(same, "linear + relu^2 rows %d: the TMA epilogue's pre, post or dpre differ from the threads' stores", rows);
+    // the TMA epilogue (--mlp_tma_epilogue) and the wide tiles (lrs::wide_gemm_kernel; the forward's
+    // --mlp_wide_forward): the same bits in every output, into poisoned buffers
+    for (int variant = 0; variant < 2; ++variant) {
+        const bool tma = variant == 0, wide = variant == 1;
+        DeviceArray<uint16_t> pre2((size_t)rows * n), post2((size_t)rows * n), dpre2((size_t)rows * n);
+        pre2.poison(), post2.poison(), dpre2.poison();
+        CUDA_CHECK(linear_relu_square_forward(bf(dx.ptr), bf(dw.ptr), rows, n, k, bf(pre2.ptr), bf(post2.ptr), 0, tma, wide));
+        CUDA_CHECK(linear_relu_square_backward(bf(ddout.ptr), bf(dw2.ptr), rows, n, k, bf(pre2.ptr), bf(dpre2.ptr), 0, tma,
+                                               wide));
+        CUDA_CHECK(cudaDeviceSynchronize());
+        const bool same = pre2.download() == hp && post2.download() == hq && dpre2.download() == hd;
+        const char* name = tma ? "the TMA epilogue" : "the wide tiles";
+        printf("    %s: %s\n", name, same ? "the same bits" : "DIFFERENT");
+        CHECK(same, "linear + relu^2 rows %d: %s' pre, post or dpre differ from the threads' stores", rows, name);
+    }
 }
 
 // training's lm_head forward with the loss's first pass fused (--fused_lm_head_loss): the logits
 // against fp64 (every row_step-th row) and cuBLASLt's fast-accum fp8 GEMM, the losses and lse from
 // the partial sums against fp64 on the kernel's own bf16 logits and against the unfused loss pass
-static void lm_head_loss_case(Gemms& gemms, int rows, int n, int k, uint64_t seed, int row_step = 1) {
+static void lm_head_loss_case(Gemms& gemms, int rows, int n, int k, uint64_t seed, int row_step = 1, bool wide = false) {
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> nd(0.f, 1.f);
     const float xs = 100.f / 448, ws = 1.6f / 448, scale = xs * ws;
@@ -636,7 +642,7 @@ static void lm_head_loss_case(Gemms& gemms, int rows, int n, int k, uint64_t see
     for (int i = 0; i < 3; ++i) p.w[i] = wts[i];
     p.a = 23.f, p.b = 5.f, p.c = 7.5f, p.grad_scale = 1.f, p.fast_softcap = true;
     auto bf = [](uint16_t* q) { return reinterpret_cast<__nv_bfloat16*>(q); };
-    CUDA_CHECK(lm_head_logits_fp8(dx.ptr, dw.ptr, rows, n, k, scale, p, bf(logits.ptr), partial.ptr, ld_parts, 0));
+    CUDA_CHECK(lm_head_logits_fp8(dx.ptr, dw.ptr, rows, n, k, scale, p, bf(logits.ptr), partial.ptr, ld_parts, 0, wide));
     p.logits = bf(logits.ptr), p.losses = loss.ptr, p.lse = lse.ptr;
     CUDA_CHECK(softcapped_ce_from_partials(p, partial.ptr, ld_parts, 0));
     ce::Params p2 = p;  // the unfused loss pass on the same logits
@@ -672,9 +678,9 @@ static void lm_head_loss_case(Gemms& gemms, int rows, int n, int k, uint64_t see
         lgot.push_back(hloss[r]), lref.push_back(l), lse_got.push_back(hlse[r]), lse_unfused.push_back(hlse2[r]);
     }
     const double e = rel_err_d(got, ref), el = rel_err_d(lgot, lref), eu = rel_err_d(lse_got, lse_unfused);
-    printf("  lm_head + loss rows %5d n %5d k %4d  rel err: logits %.1e (bf16 values unlike cuBLASLt's: %lld of %zu), "
+    printf("  lm_head + loss%s rows %5d n %5d k %4d  rel err: logits %.1e (bf16 values unlike cuBLASLt's: %lld of %zu), "
            "loss %.1e, lse vs the unfused pass %.1e; unwritten %lld\n",
-           rows, n, k, e, (long long)differ, hl.size(), el, eu, (long long)unwritten);
+           wide ? " (wide tiles)" : "", rows, n, k, e, (long long)differ, hl.size(), el, eu, (long long)unwritten);
     CHECK(e < 1e-2 && el < 1e-5 && eu < 1e-6 && unwritten == 0 && differ * 100 <= (int64_t)hl.size(),
           "lm_head + loss rows %d n %d: logits %.2e, loss %.2e, lse vs unfused %.2e, %lld unwritten, %lld unlike cuBLASLt",
           rows, n, e, el, eu, (long long)unwritten, (long long)differ);
@@ -1860,6 +1866,9 @@ static void test_model_kernels() {
     lm_head_loss_case(gemms, 300, 640, 256, 16);  // rows off the 128-row tile
     lm_head_loss_case(gemms, 2000, 1280, 128, 17, 9);  // more tiles than SMs
     lm_head_loss_case(gemms, 67, 50304, 768, 18, 11);  // the model's widths
+    lm_head_loss_case(gemms, 300, 640, 256, 19, 1, true);  // wide tiles: a half-wide last column tile
+    lm_head_loss_case(gemms, 2000, 1280, 128, 20, 9, true);
+    lm_head_loss_case(gemms, 67, 50304, 768, 21, 11, true);
     size_t before = gemms.cached_plans();
     gemm_bf16_case(gemms, Op::N, Op::T, 37, 130, 72, false, 0.f, 15);
     CHECK(gemms.cached_plans() == before, "a repeated GEMM shape chose its algorithm again");
