@@ -1,5 +1,6 @@
 // GPU benchmarks at the record's shapes (not a test: prints numbers).
-//   ./tests/bench_gpu                     NorMuon's pieces, the model, Adam, the optimizer step
+//   ./tests/bench_gpu                     NorMuon's pieces, the model, the fused GEMMs alone, Adam, the
+//                                         optimizer step
 //   mpirun -np 2 ./tests/bench_gpu        the optimizer step at world size 2 (NCCL) against world size 1
 //   ./tests/bench_gpu --profile-once T    one forward + backward of T tokens between cudaProfilerStart/Stop
 //                                         (for ncu --profile-from-start off)
@@ -71,6 +72,78 @@ static ForwardArgs bench_forward_args(const Hyperparameters& args) {
     fa.loss_scale = 0.125f;
     fa.training = true;
     return fa;
+}
+
+// The fused GEMMs alone, at a 393k micro-batch's shapes, random operands (the clocks run as under real
+// data only roughly; the loop's own timing is make bench-loop): the MLP's forward and backward on the
+// ping-pong's 128 x 128 tiles and on the wide 128 x 256 ones, and the lm_head's fp8 forward with the
+// loss's sums in its epilogue (--fused_lm_head_loss) against cuBLASLt's plain GEMM
+static void bench_fused_gemms(Gemms& gemms) {
+    printf("\nFused GEMMs alone (random operands), us and TFLOP/s\n");
+    std::mt19937_64 rng(3);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    auto bf = [](uint16_t* q) { return reinterpret_cast<__nv_bfloat16*>(q); };
+    auto upload = [](const auto& h) {
+        using T = typename std::decay_t<decltype(h)>::value_type;
+        T* d;
+        CUDA_CHECK(cudaMalloc(&d, h.size() * sizeof(T)));
+        CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+        return d;
+    };
+    {
+        const int T = 49152, H = 3072, D = 768;
+        std::vector<uint16_t> hx((size_t)T * D), hw((size_t)H * D);
+        for (auto& v : hx) v = bf16_bits(nd(rng));
+        for (auto& v : hw) v = bf16_bits(0.03f * nd(rng));
+        uint16_t *x = upload(hx), *w = upload(hw), *pre, *post, *dpre;
+        for (uint16_t** q : {&pre, &post, &dpre}) CUDA_CHECK(cudaMalloc(q, (size_t)T * H * 2));
+        const double flop = 2.0 * T * H * D;
+        for (int wide = 0; wide < 2; ++wide) {
+            const float f = time_ms([&] {
+                CUDA_CHECK(linear_relu_square_forward(bf(x), bf(w), T, H, D, bf(pre), bf(post), 0, false, wide));
+            });
+            const float b = time_ms([&] {
+                CUDA_CHECK(linear_relu_square_backward(bf(x), bf(w), T, H, D, bf(pre), bf(dpre), 0, false, wide));
+            });
+            printf("  MLP %d x %d x %d, %-22s forward %6.1f us (%4.0f), backward %6.1f us (%4.0f)\n", T, H, D,
+                   wide ? "128 x 256 tiles:" : "128 x 128 ping-pong:", f * 1e3, flop / f / 1e9, b * 1e3, flop / b / 1e9);
+        }
+        for (uint16_t* q : {x, w, pre, post, dpre}) CUDA_CHECK(cudaFree(q));
+    }
+    {
+        const int rows = 8192, n = 50304, k = 768;
+        const float xs = 100.f / 448, ws = 1.6f / 448;
+        std::vector<uint8_t> hx((size_t)rows * k), hw((size_t)n * k);
+        for (auto& v : hx) v = (uint8_t)__nv_cvt_float_to_fp8(nd(rng) / xs, __NV_SATFINITE, __NV_E4M3);
+        for (auto& v : hw) v = (uint8_t)__nv_cvt_float_to_fp8(0.02f * nd(rng) / ws, __NV_SATFINITE, __NV_E4M3);
+        std::vector<int> ht(rows + 2);
+        for (auto& t : ht) t = (int)(rng() % n);
+        uint8_t *x = upload(hx), *w = upload(hw);
+        int* targets = upload(ht);
+        float* scales = upload(std::vector<float>{xs, ws});
+        const int parts = lm_head_loss_parts(n);
+        uint16_t* logits;
+        float* partial;
+        CUDA_CHECK(cudaMalloc(&logits, (size_t)rows * n * 2));
+        CUDA_CHECK(cudaMalloc(&partial, (size_t)rows * parts * 4));
+        ce::Params p{};
+        p.ld = n, p.targets = targets, p.rows = rows, p.target_rows = rows + 2, p.vocab = n, p.n_predict = 3;
+        p.a = 23.f, p.b = 5.f, p.c = 7.5f, p.grad_scale = 1.f, p.fast_softcap = true;
+        const double flop = 2.0 * rows * n * k;
+        for (int wide = 0; wide < 2; ++wide) {
+            const float t = time_ms([&] {
+                CUDA_CHECK(lm_head_logits_fp8(x, w, rows, n, k, xs * ws, p, bf(logits), partial, parts, 0, wide));
+            });
+            printf("  lm_head %d x %d x %d e4m3 with the loss's sums, %-22s %6.1f us (%4.0f)\n", rows, n, k,
+                   wide ? "128 x 256 tiles:" : "128 x 128 ping-pong:", t * 1e3, flop / t / 1e9);
+        }
+        const float t = time_ms([&] {
+            gemms.fp8(0, rows, n, k, x, CUDA_R_8F_E4M3, k, w, CUDA_R_8F_E4M3, k, logits, n, false, scales, scales + 1, true);
+        });
+        printf("  lm_head %d x %d x %d e4m3, cuBLASLt (no sums):                   %6.1f us (%4.0f)\n", rows, n, k,
+               t * 1e3, flop / t / 1e9);
+        for (void* q : {(void*)x, (void*)w, (void*)targets, (void*)scales, (void*)logits, (void*)partial}) CUDA_CHECK(cudaFree(q));
+    }
 }
 
 // the model: forward + backward of one micro-batch at the record's sizes
@@ -229,6 +302,7 @@ int main(int argc, char** argv) {
         bench_model(first_choice, "cuBLASLt's heuristic's first choice");
     }
     bench_model(gemms, "tuned on the first call");
+    bench_fused_gemms(gemms);
     printf("  %s\n", gemms.tuning_report().c_str());
     printf("\nAdam on one GPU\n");
     struct AdamParam { const char* name; int64_t n; };
