@@ -1577,6 +1577,7 @@ struct EpiArgs {
     int64_t ld_partial = 0;
     ce::TanhCap cap;
     float hL = 0.f;  // exp(softcap(x)) = 2^(hL t(x) + hL)
+    __device__ float exp_softcap(float x) const { return tk::fast_exp2(fmaf(cap.t(x), hL, hL)); }
 };
 
 // A consumer's accumulators as bf16 into its staging tile, at addr(row, j) for the 4-byte pair of
@@ -1602,8 +1603,8 @@ __device__ __forceinline__ void stage_tile(const float* acc, int warp, int lane,
                                       : tk::pack_bf16(acc[64 * mh + 4 * j + 2 * h], acc[64 * mh + 4 * j + 2 * h + 1]);
                 if constexpr (EPI == 2) {
                     const float lo = __uint_as_float(v << 16), hi = __uint_as_float(v & 0xffff0000u);
-                    sum += tk::fast_exp2(fmaf(ea.cap.t(lo), ea.hL, ea.hL));
-                    sum += tk::fast_exp2(fmaf(ea.cap.t(hi), ea.hL, ea.hL));
+                    sum += ea.exp_softcap(lo);
+                    sum += ea.exp_softcap(hi);
                 }
                 if (EPI == 1 || POST) {
                     uint32_t pu = v;
@@ -1988,7 +1989,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 } else {  // the logits, and the lane's part of its 128 columns' sum of exp(softcap())
                     sums[u] = 0.f;
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) sums[u] += tk::fast_exp2(fmaf(ea.cap.t(f[e]), ea.hL, ea.hL));
+                    for (int e = 0; e < 8; ++e) sums[u] += ea.exp_softcap(f[e]);
                     if (ok) tk::stg128(out, v[u]);
                 }
             }
@@ -2004,7 +2005,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
                 for (int u = 0; u < GROUP; ++u) {
                     const int r = r0 + EPI_WARPS * u, row = m0 + r;
-                    if (lane % 16 == 0 && r < BM && row < M && col < N) ea.partial[row * ea.ld_partial + col / 128] = sums[u];
+                    if (lane % 16 == 0 && r < BM && row < M && col < N) ea.partial[row * ea.ld_partial + col / lrs::BN] = sums[u];
                 }
             }
         }
@@ -2016,7 +2017,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 template <int EPI>
 inline cudaError_t launch_wide(const void* a, const void* w, int rows, int n, int k, __nv_bfloat16* c0,
                                __nv_bfloat16* c1, const __nv_bfloat16* pre, cudaStream_t stream, const EpiArgs& ea = {}) {
-    if (n % 128 || k % BK || rows <= 0) return rows == 0 ? cudaSuccess : cudaErrorInvalidValue;
+    if (n % BN || k % BK || rows <= 0) return rows == 0 ? cudaSuccess : cudaErrorInvalidValue;  // the sums' 128 columns
     CUtensorMap ta, tb;
     if (tk::make_matrix_map(&ta, a, rows, k, k, BM) != CUDA_SUCCESS ||
         tk::make_matrix_map(&tb, w, n, k, k, wide::BN) != CUDA_SUCCESS)
