@@ -111,6 +111,8 @@ extern char** environ;
       "the fused MLP GEMMs' tiles stored (and the backward's pre tile loaded) by TMA, not by the threads (same bits)") \
     X(BOOL, mlp_wide_forward, true,                                                                                 \
       "the MLP's fused forward GEMM on 128 x 256 tiles, its epilogue in warps of its own (same bits; before the TMA epilogue)") \
+    X(BOOL, mlp_wide_backward, true,                                                                                \
+      "the MLP's fused backward GEMM on those tiles, its pre fetched into the staging during the MMAs (same bits)") \
     X(BOOL, overlap_wgrad, true,                                                                                    \
       "the backward's weight-gradient GEMMs on a second stream, beside the data gradients (not while profiling)")  \
     X(BOOL, fused_lm_head_loss, false,                                                                              \
@@ -2226,7 +2228,8 @@ class Model {
             side_wait(ev_cfc_, s);  // dpre: the layer above's c_fc weight gradient has read it
             if (args_.fused_mlp) {
                 fused_gemm_mark(T, 4 * D, D, s);
-                CUDA_CHECK(linear_relu_square_backward(dx_, c_proj(i), T, 4 * D, D, l.pre, dpre_, s, args_.mlp_tma_epilogue));
+                CUDA_CHECK(linear_relu_square_backward(dx_, c_proj(i), T, 4 * D, D, l.pre, dpre_, s, args_.mlp_tma_epilogue,
+                                                       args_.mlp_wide_backward));
                 profile_mark(Part::Elementwise, s);
             } else {
                 gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, dx_, D, c_proj(i), D, dpost_, 4 * D, false);

@@ -272,6 +272,11 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int sr
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+// an arrival on the mbarrier once this thread's earlier cp.async copies have landed (one of the arrivals
+// its count expects)
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
@@ -1580,6 +1585,16 @@ struct EpiArgs {
     __device__ float exp_softcap(float x) const { return tk::fast_exp2(fmaf(cap.t(x), hL, hL)); }
 };
 
+// The backward's dpre = 2 relu(pre) dpost of a bf16 pair of dpost (v), over the pair of pre at pre_at in
+// shared memory
+__device__ __forceinline__ uint32_t dpre_pair(uint32_t v, uint32_t pre_at) {
+    uint32_t pu;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(pu) : "r"(pre_at));
+    const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+    const float2 p = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pu));
+    return tk::pack_bf16(2.f * g.x * fmaxf(p.x, 0.f), 2.f * g.y * fmaxf(p.y, 0.f));
+}
+
 // A consumer's accumulators as bf16 into its staging tile, at addr(row, j) for the 4-byte pair of
 // columns 8j + 2 (lane % 4) of a row (accumulator [n8 tile j][e] of rows 0-63 in acc[0..63], of rows
 // 64-127 in acc[64..127], at row warp * 16 + lane / 4, + 8 for e >= 2): the forward's pre, or with POST
@@ -1606,13 +1621,10 @@ __device__ __forceinline__ void stage_tile(const float* acc, int warp, int lane,
                     sum += ea.exp_softcap(lo);
                     sum += ea.exp_softcap(hi);
                 }
-                if (EPI == 1 || POST) {
-                    uint32_t pu = v;
-                    if (EPI == 1) asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(pu) : "r"(at));
-                    const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-                    const float2 p = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pu));
-                    v = EPI == 1 ? tk::pack_bf16(2.f * g.x * fmaxf(p.x, 0.f), 2.f * g.y * fmaxf(p.y, 0.f))
-                                 : tk::pack_bf16(fmaxf(p.x, 0.f) * fmaxf(p.x, 0.f), fmaxf(p.y, 0.f) * fmaxf(p.y, 0.f));
+                if (EPI == 1) v = dpre_pair(v, at);
+                if (POST) {
+                    const float2 p = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+                    v = tk::pack_bf16(fmaxf(p.x, 0.f) * fmaxf(p.x, 0.f), fmaxf(p.y, 0.f) * fmaxf(p.y, 0.f));
                 }
                 asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(v));
             }
@@ -1861,24 +1873,25 @@ inline cudaError_t launch(const void* a, const void* w, int rows, int n, int k, 
     return cudaGetLastError();
 }
 
-// Wide tiles (--mlp_wide_forward): each CTA takes 128 x 256 output tiles, its two consumer warpgroups
+// Wide tiles (--mlp_wide_forward, --mlp_wide_backward): each CTA takes 128 x 256 output tiles, its two consumer warpgroups
 // 64 rows each with m64n256 MMAs, and the producer warpgroup's other three warps run the epilogue. The
 // ping-pong above reads 20 KB of shared memory per 128 x 128 x 16 (its m64n128 pairs read B twice, and
 // the TMA writes A and B), these tiles 16 KB, and the SM's shared memory (128 bytes a cycle) is what
 // bounds both, the epilogue's staging included. The consumers leave their accumulators in bf16 in the
 // staging tile and go on to the next tile's MMAs (the cooperative kernel had waited for its stores);
 // the epilogue warps take the tile from there, a warp a row of 256 columns in 16-byte chunks: pre and
-// post, dpre over its pre, or the logits and their rows' sums of exp(softcap) per 128 columns. (Not a
-// fourth warpgroup: at 512 threads ptxas compiles every instruction within 128 registers, and an m64n256
-// MMA needs about 154.) Timed alone at a 393k micro-batch: the forward 347 us against the ping-pong's
-// 375, the backward 439 against 409 and the lm_head's 945 against 680 a chunk: three warps are too few
-// for those two epilogues (the backward's pre loads, two SFU operations a logit), so the trainer runs
-// only the forward this way.
+// post, dpre (which the consumers staged over the tile's pre, fetched there by the epilogue warps while
+// the MMAs ran), or the logits and their rows' sums of exp(softcap) per 128 columns. (Not a fourth
+// warpgroup: at 512 threads ptxas compiles every instruction within 128 registers, and an m64n256 MMA
+// needs about 154.) Timed alone at a 393k micro-batch: the forward 354 us against the ping-pong's 379,
+// the backward 393 against 415 (439 while the epilogue warps loaded pre from global memory themselves)
+// and the lm_head's 994 against 688 a chunk: three warps are too few for two SFU operations a logit, so
+// the trainer runs only the MLP's GEMMs this way.
 namespace wide {
 constexpr int BN = 256, STAGES = 3, EPI_WARPS = 3;
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int STAGE_ROW = BN * 2 + 16;  // the staging's bf16 rows, padded: the fragments' stores hit 32 banks
-constexpr int SMEM = STAGES * STAGE_BYTES + BM * STAGE_ROW + 1024 + 8 * (2 * STAGES + 2);
+constexpr int SMEM = STAGES * STAGE_BYTES + BM * STAGE_ROW + 1024 + 8 * (2 * STAGES + 3);
 static_assert(SMEM <= 232448, "shared memory");
 }  // namespace wide
 
@@ -1891,13 +1904,15 @@ __global__ void __launch_bounds__(THREADS, 1)
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (tk::smem_u32(smem_raw) + 1023) & ~1023u;
     const uint32_t staging = base + STAGES * STAGE_BYTES;
-    // full[s] at bars + 8s, empty[s] at bars + 8 (STAGES + s), staged at bars + 16 STAGES, freed after it
-    const uint32_t bars = staging + BM * STAGE_ROW, staged = bars + 16 * STAGES, freed = staged + 8;
+    // full[s] at bars + 8s, empty[s] at bars + 8 (STAGES + s), staged at bars + 16 STAGES, then freed and
+    // (EPI 1) pre_ready
+    const uint32_t bars = staging + BM * STAGE_ROW, staged = bars + 16 * STAGES, freed = staged + 8,
+                   pre_ready = freed + 8;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t128 = threadIdx.x % 128;
     const int KT = K / BK, NT = (N + BN - 1) / BN, MT = (M + BM - 1) / BM, tiles = MT * NT;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s, 1), mbar_init(bars + 8 * (STAGES + s), 2);
-        mbar_init(staged, 256), mbar_init(freed, 32 * EPI_WARPS);
+        mbar_init(staged, 256), mbar_init(freed, 32 * EPI_WARPS), mbar_init(pre_ready, 32 * EPI_WARPS);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -1919,7 +1934,9 @@ __global__ void __launch_bounds__(THREADS, 1)
                     else tk::wgmma_m64n256k16_ss(acc, da, db);
                 }
             });
-            if (i > 0) mbar_wait(freed, (i - 1) & 1);  // the epilogue has read the last tile's staging
+            // the epilogue has read the last tile's staging (EPI 1: and filled it with this tile's pre)
+            if (EPI == 1) mbar_wait(pre_ready, i & 1);
+            else if (i > 0) mbar_wait(freed, (i - 1) & 1);
             const float scale = EPI == 2 ? ea.scale : 1.f;
             const uint32_t at = staging + (64 * wg + (warp % 4) * 16 + lane / 4) * STAGE_ROW + 4 * (lane % 4);
 #pragma unroll
@@ -1927,7 +1944,10 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const float lo = acc[4 * j + 2 * h] * scale, hi = acc[4 * j + 2 * h + 1] * scale;
-                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + 8 * h * STAGE_ROW + 16 * j), "r"(tk::pack_bf16(lo, hi)));
+                    const uint32_t a = at + 8 * h * STAGE_ROW + 16 * j;
+                    uint32_t v = tk::pack_bf16(lo, hi);
+                    if (EPI == 1) v = dpre_pair(v, a);
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(v));
                 }
             mbar_arrive(staged);
         }
@@ -1939,32 +1959,32 @@ __global__ void __launch_bounds__(THREADS, 1)
         return;
     }
     // the epilogue: warp ew takes rows ew, ew + 3, ... of the staged tile, 8 columns a lane, 8 rows at a
-    // time (one warp a scheduler: the rows' work is what hides the latencies); the backward loads the
-    // next 8 rows' pre while it works on these, the first before the tile is staged
+    // time (one warp a scheduler: the rows' work is what hides the latencies). The backward's pre comes
+    // into the staging itself, a row by cp.async as soon as the last tile's row has been read there, so
+    // that its loads run under the MMAs and the consumers stage dpre over it (pre_ready: every row landed)
     constexpr int GROUP = 8, STEP = GROUP * EPI_WARPS;
     const int ew = warp - 1;
-    auto load_pre = [&](uint4* pv, int m0, int r0, int col) {
-#pragma unroll
-        for (int u = 0; u < GROUP; ++u) {
-            const int r = r0 + EPI_WARPS * u, row = m0 + r;
-            pv[u] = r < BM && row < M && col < N ? *reinterpret_cast<const uint4*>(pre + (int64_t)row * ldc + col)
-                                                 : make_uint4(0, 0, 0, 0);
-        }
+    auto fetch_pre = [&](int m0, int n0, int r) {  // row r of the tile's pre, 16 bytes a lane (zeros past M or N)
+        const int row = m0 + r, col = n0 + 8 * lane;
+        const bool ok = row < M && col < N;
+        tk::cp_async16(staging + r * STAGE_ROW + 16 * lane, ok ? pre + (int64_t)row * ldc + col : pre, ok ? 16 : 0);
     };
-    for (int i = 0;; ++i) {
-        const int t = blockIdx.x + i * gridDim.x;
-        if (t >= tiles) break;
+    if (EPI == 1 && blockIdx.x < tiles) {
         int m0, n0;
+        tile_origin(blockIdx.x, MT, NT, BN, m0, n0);
+        for (int r = ew; r < BM; r += EPI_WARPS) fetch_pre(m0, n0, r);
+        tk::cp_async_arrive(pre_ready);
+    }
+    for (int i = 0;; ++i) {
+        const int t = blockIdx.x + i * gridDim.x, next = t + gridDim.x;
+        if (t >= tiles) break;
+        int m0, n0, next_m0 = 0, next_n0 = 0;
         tile_origin(t, MT, NT, BN, m0, n0);
+        if (next < tiles) tile_origin(next, MT, NT, BN, next_m0, next_n0);
         const int col = n0 + 8 * lane;
-        uint4 pv[GROUP], pn[GROUP];
-        if constexpr (EPI == 1) load_pre(pv, m0, ew, col);
         mbar_wait(staged, i & 1);
 #pragma unroll 1
         for (int r0 = ew; r0 < BM; r0 += STEP) {
-            if constexpr (EPI == 1) {
-                if (r0 + STEP < BM) load_pre(pn, m0, r0 + STEP, col);
-            }
             uint4 v[GROUP];
 #pragma unroll
             for (int u = 0; u < GROUP; ++u) v[u] = tk::lds128(staging + min(r0 + EPI_WARPS * u, BM - 1) * STAGE_ROW + 16 * lane);
@@ -1980,12 +2000,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
                     for (int e = 0; e < 8; ++e) o[e] = fmaxf(f[e], 0.f) * fmaxf(f[e], 0.f);
                     if (ok) tk::stg128(out, v[u]), tk::store8(c1 + (int64_t)row * ldc + col, o);
-                } else if constexpr (EPI == 1) {  // dpre = 2 relu(pre) bf16(acc)
-                    float p[8];
-                    tk::load8(reinterpret_cast<const __nv_bfloat16*>(&pv[u]), p);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) o[e] = 2.f * f[e] * fmaxf(p[e], 0.f);
-                    if (ok) tk::store8(out, o);
+                } else if constexpr (EPI == 1) {  // dpre, as the consumers staged it
+                    if (ok) tk::stg128(out, v[u]);
                 } else {  // the logits, and the lane's part of its 128 columns' sum of exp(softcap())
                     sums[u] = 0.f;
 #pragma unroll
@@ -1993,9 +2009,12 @@ __global__ void __launch_bounds__(THREADS, 1)
                     if (ok) tk::stg128(out, v[u]);
                 }
             }
-            if constexpr (EPI == 1) {
+            // the next tile's pre over the rows just read (a row stored above has been read: its store
+            // took the value; a row not stored was not needed)
+            if (EPI == 1 && next < tiles) {
 #pragma unroll
-                for (int u = 0; u < GROUP; ++u) pv[u] = pn[u];
+                for (int u = 0; u < GROUP; ++u)
+                    if (r0 + EPI_WARPS * u < BM) fetch_pre(next_m0, next_n0, r0 + EPI_WARPS * u);
             }
             if constexpr (EPI == 2) {  // each half warp's sums, the 8 rows side by side
 #pragma unroll
@@ -2009,7 +2028,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                 }
             }
         }
-        mbar_arrive(freed);  // this thread's reads of the staging are done
+        if (EPI != 1) mbar_arrive(freed);  // this thread's reads of the staging are done
+        else if (next < tiles) tk::cp_async_arrive(pre_ready);
     }
 }
 

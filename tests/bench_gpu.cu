@@ -120,7 +120,7 @@ static void bench_fused_gemms(Gemms& gemms) {
         for (auto& t : ht) t = (int)(rng() % n);
         uint8_t *x = upload(hx), *w = upload(hw);
         int* targets = upload(ht);
-        float* scales = upload(std::vector<float>{xs, ws});
+        float *x_scale = upload(std::vector<float>{xs}), *w_scale = upload(std::vector<float>{ws});  // (each its own allocation, as the trainer's)
         const int parts = lm_head_loss_parts(n);
         uint16_t* logits;
         float* partial;
@@ -138,11 +138,11 @@ static void bench_fused_gemms(Gemms& gemms) {
                    wide ? "128 x 256 tiles:" : "128 x 128 ping-pong:", t * 1e3, flop / t / 1e9);
         }
         const float t = time_ms([&] {
-            gemms.fp8(0, rows, n, k, x, CUDA_R_8F_E4M3, k, w, CUDA_R_8F_E4M3, k, logits, n, false, scales, scales + 1, true);
+            gemms.fp8(0, rows, n, k, x, CUDA_R_8F_E4M3, k, w, CUDA_R_8F_E4M3, k, logits, n, false, x_scale, w_scale, true);
         });
         printf("  lm_head %d x %d x %d e4m3, cuBLASLt (no sums):                   %6.1f us (%4.0f)\n", rows, n, k,
                t * 1e3, flop / t / 1e9);
-        for (void* q : {(void*)x, (void*)w, (void*)targets, (void*)scales, (void*)logits, (void*)partial}) CUDA_CHECK(cudaFree(q));
+        for (void* q : {(void*)x, (void*)w, (void*)targets, (void*)x_scale, (void*)w_scale, (void*)logits, (void*)partial}) CUDA_CHECK(cudaFree(q));
     }
 }
 
@@ -248,6 +248,11 @@ int main(int argc, char** argv) {
     }
     if ((argc == 3 || argc == 5) && std::string(argv[1]) == "--profile-once") {  // T [ws_short ws_long]
         profile_once(atoi(argv[2]), argc == 5 ? atoi(argv[3]) : 1, argc == 5 ? atoi(argv[4]) : 3);
+        return 0;
+    }
+    if (argc == 2 && std::string(argv[1]) == "--fused-gemms") {  // that section alone
+        Gemms gemms;
+        bench_fused_gemms(gemms);
         return 0;
     }
     MPI_CHECK(MPI_Init(&argc, &argv));
