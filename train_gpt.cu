@@ -115,8 +115,6 @@ extern char** environ;
       "the MLP's fused backward GEMM on those tiles, its pre fetched into the staging during the MMAs (same bits)") \
     X(BOOL, overlap_wgrad, true,                                                                                    \
       "the backward's weight-gradient GEMMs on a second stream, beside the data gradients (not while profiling)")  \
-    X(BOOL, main_stream_first, true,                                                                               \
-      "the main stream at the GPU's greatest priority, the weight gradients' second stream at its least (same bits)") \
     X(BOOL, fused_lm_head_loss, false,                                                                              \
       "training's lm_head GEMM (ours, not cuBLASLt's) sums each row's exp(softcap(logit)) in its epilogue; the loss pass then reads no logits") \
     X(I64, logit_chunk_rows, 8192, "rows of logits the lm_head makes and the loss consumes at a time (a multiple of 16)") \
@@ -4238,13 +4236,8 @@ static int trainer_main(int argc, char** argv) {
     Model model(params, gemms, args, (int)capacity, (int)eval_local, max_cu, (int)max_num_docs_of(capacity));
     NorMuonAndAdam optimizer(params, gemms, args, world_size, dist.rank, dist.comm);
     params.save_initial_state();  // restored after the warmup
-    // --main_stream_first: the block scheduler starts the main stream's waiting CTAs before the side
-    // stream's (the weight gradients fill in behind the chain of data gradients that the step waits on)
-    int least_priority = 0, greatest_priority = 0;
-    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
     cudaStream_t stream;
-    CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking,
-                                            args.main_stream_first ? greatest_priority : least_priority));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     TrainingManager training_manager(args, model, optimizer, grad_accum_steps, max_local, max_cu, stream);
     peak_mib();
     LoaderOptions train_opt, val_opt;
