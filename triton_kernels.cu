@@ -1873,11 +1873,11 @@ inline cudaError_t launch(const void* a, const void* w, int rows, int n, int k, 
     return cudaGetLastError();
 }
 
-// Wide tiles (--mlp_wide_forward, --mlp_wide_backward): each CTA takes 128 x 256 output tiles, its two consumer warpgroups
-// 64 rows each with m64n256 MMAs, and the producer warpgroup's other three warps run the epilogue. The
-// ping-pong above reads 20 KB of shared memory per 128 x 128 x 16 (its m64n128 pairs read B twice, and
-// the TMA writes A and B), these tiles 16 KB, and the SM's shared memory (128 bytes a cycle) is what
-// bounds both, the epilogue's staging included. The consumers leave their accumulators in bf16 in the
+// Wide tiles (--mlp_wide_forward, --mlp_wide_backward): each CTA takes 128 x 256 output tiles, its two
+// consumer warpgroups 64 rows each with m64n256 MMAs, and the producer warpgroup's other three warps run
+// the epilogue. The ping-pong above reads 20 KB of shared memory per 128 x 128 x 16 (its m64n128 pairs
+// read B twice, and the TMA writes A and B), these tiles 16 KB, and the SM's shared memory (128 bytes a
+// cycle) is what bounds both, the epilogue's staging included. The consumers leave their accumulators in bf16 in the
 // staging tile and go on to the next tile's MMAs (the cooperative kernel had waited for its stores);
 // the epilogue warps take the tile from there, a warp a row of 256 columns in 16-byte chunks: pre and
 // post, dpre (which the consumers staged over the tile's pre, fetched there by the epilogue warps while

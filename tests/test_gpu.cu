@@ -599,8 +599,8 @@ static void linear_relu_square_case(int rows, int n, int k, uint64_t seed, int r
     CHECK(e < 1e-2 && ed < 1e-2 && unwritten == 0 && post_bad == 0 && dpre_far == 0,
           "linear + relu^2 rows %d: pre %.2e dpre %.2e, %lld unwritten, %lld post values differ, %lld dpre values off",
           rows, e, ed, (long long)unwritten, (long long)post_bad, (long long)dpre_far);
-    // the TMA epilogue (--mlp_tma_epilogue) and the wide tiles (lrs::wide_gemm_kernel; the forward's
-    // --mlp_wide_forward): the same bits in every output, into poisoned buffers
+    // the TMA epilogue (--mlp_tma_epilogue) and the wide tiles (lrs::wide_gemm_kernel; --mlp_wide_forward,
+    // --mlp_wide_backward): the same bits in every output, into poisoned buffers
     for (int variant = 0; variant < 2; ++variant) {
         const bool tma = variant == 0, wide = variant == 1;
         DeviceArray<uint16_t> pre2((size_t)rows * n), post2((size_t)rows * n), dpre2((size_t)rows * n);
