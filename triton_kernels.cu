@@ -89,6 +89,20 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint3
     return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
            ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
+// The same descriptor as a base and steps: at(off) = smem_desc(addr + off, lbo, sbo) for any off (a
+// multiple of 16) that stays in shared memory (addresses below 2^18, so (addr + off) >> 4 never carries
+// into the lbo field): one 32-bit add an MMA operand, where smem_desc's masks, shifts and 64-bit
+// halves took the attention loops four or five uniform instructions each.
+struct DescBase {
+    uint32_t lo, hi;
+    __device__ __forceinline__ DescBase(uint32_t addr, uint32_t lbo, uint32_t sbo)
+        : lo(((addr & 0x3FFFF) >> 4) | (((lbo >> 4) & 0x3FFF) << 16)), hi(((sbo >> 4) & 0x3FFF) | (1u << 30)) {}
+    __device__ __forceinline__ uint64_t at(uint32_t off) const {
+        uint64_t d;
+        asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo + (off >> 4)), "r"(hi));
+        return d;
+    }
+};
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
@@ -501,10 +515,11 @@ __device__ __forceinline__ void load_tile(uint32_t smem, const __nv_bfloat16* ba
 // d (+)= A . B^T over the head dim, 16 at a time; OVERWRITE: the first k-step writes d (no zeros needed)
 template <bool OVERWRITE>
 __device__ __forceinline__ void abt_mmas(float* d, uint32_t a_tile, uint32_t b_tile) {
+    const tk::DescBase a(a_tile, 16, 1024), b(b_tile, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         const uint32_t off = (kk >> 2) * (BLOCK * 128) + (kk & 3) * 32;
-        const uint64_t da = tk::smem_desc(a_tile + off, 16, 1024), db = tk::smem_desc(b_tile + off, 16, 1024);
+        const uint64_t da = a.at(off), db = b.at(off);
         if (OVERWRITE && kk == 0) tk::wgmma_m64n64k16_ss<0>(d, da, db);
         else tk::wgmma_m64n64k16_ss(d, da, db);
     }
@@ -540,9 +555,9 @@ __device__ __forceinline__ void gemm_pb_issue(float acc[16][4], uint32_t pf[4][4
     tk::fence_regs<64>(d);
     tk::fence_regs<16>(&pf[0][0]);
     tk::wgmma_fence();
+    const tk::DescBase b(b_tile, BLOCK * 128, 1024);
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-        tk::wgmma_m64n128k16_rs_nmajor(d, pf[ks], tk::smem_desc(b_tile + ks * 2048, BLOCK * 128, 1024));
+    for (int ks = 0; ks < 4; ++ks) tk::wgmma_m64n128k16_rs_nmajor(d, pf[ks], b.at(ks * 2048));
     tk::wgmma_commit();
 }
 // after a wait: the accumulators of the MMAs it covered, and the A fragments they read
@@ -614,6 +629,17 @@ __device__ __forceinline__ ColumnRange key_columns(const Params& p, int j, int s
     return j < s1 ? ColumnRange{j - q0 - cb, min(j + p.window, s1 - 1) - q0 - cb} : ColumnRange{1, 0};
 }
 __device__ __forceinline__ bool in_range(ColumnRange r, int c) { return c >= r.lo && c <= r.hi; }
+// s's scores outside the rows' column ranges (r0: the thread's rows 0-7, r1: 8-15) set to v. Called
+// under its own branch, only for tiles that need a mask: with the test inside the softmax loop ptxas
+// computed the 64 predicates on every tile (predicated off, but issued) and kept them packed in a
+// register, about a third of the forward's instructions.
+__device__ __forceinline__ void mask_scores(float s[8][4], ColumnRange r0, ColumnRange r1, float v) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (!in_range(e >> 1 ? r1 : r0, nt * 8 + (e & 1))) s[nt][e] = v;
+}
 
 // The key tiles the query tile [q0, q0 + 64) of sequence [s0, s1) sees: nblocks from kb_first
 // (tiles aligned to the sequence start).
@@ -640,10 +666,10 @@ __device__ __forceinline__ bool key_tile_needs_mask(const Params& p, int q0, int
 // next back to back: iteration nb issues S = Q K^T, waits for it (and for the previous P V),
 // refills the other buffers, does the softmax and issues P V, which completes under the next wait.
 // K and V share three tile slots: after that wait only V of tile nb is still read (by the P V issued
-// later), so K and V of tile nb + 1 go where K of tile nb and V of tile nb - 1 were: K of tile nb in
-// slot -nb mod 3, V in slot 1 - nb mod 3. With 64 KB of tiles three CTAs fit an SM (four slots let
-// two: the kernel waits on latency, not on the tensor cores, and a third CTA hides more of it).
-__device__ __forceinline__ uint32_t fwd_slot(uint32_t slots, int n) { return slots + ((3 - n % 3) % 3) * TILE_BYTES; }
+// later), so K and V of tile nb + 1 go where V of tile nb - 1 and K of tile nb were: the three slots
+// (K, V, free) rotate to (free, K, V) from one tile to the next. With 64 KB of tiles three CTAs fit an
+// SM (four slots let two: the kernel waits on latency, not on the tensor cores, and a third CTA hides
+// more of it).
 // The tiles come by TMA (one thread issues a tile's two 64-column boxes; no thread computes an
 // address): q and k as (positions, heads x 128) maps, v as (rows, positions a row, heads x 128), the
 // paired layout's two positions a row its middle dimension. Rows past the sequence hold the next
@@ -665,7 +691,9 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, const FwdMaps& ma
                                               int q0) {
     const int h = blockIdx.y, col = h * D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const uint32_t sQ = tk::smem_u32(smem), slots = sQ + TILE_BYTES;  // K of tile n: fwd_slot(n), V: fwd_slot(n - 1)
+    const uint32_t sQ = tk::smem_u32(smem);
+    // K and V of tile nb, and the slot that K of tile nb + 1 goes to (V of tile nb - 1 was there)
+    uint32_t kt = sQ + TILE_BYTES, vt = sQ + 2 * TILE_BYTES, free_slot = sQ + 3 * TILE_BYTES;
     const uint32_t bars = sQ + 4 * TILE_BYTES;  // tile n's copies arrive on the mbarrier at bars + 8 (n & 1)
 
     int kb_first, nblocks;
@@ -677,8 +705,8 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, const FwdMaps& ma
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         tk::mbar_expect_tx(bars, 3 * TILE_BYTES);
         tma_tile(sQ, &maps.q, col, q0, bars);
-        tma_tile(fwd_slot(slots, 0), &maps.k, col, kb_first, bars);
-        tma_v_tile(fwd_slot(slots, -1), &maps.v, col, kb_first, p.v_shift, bars);
+        tma_tile(kt, &maps.k, col, kb_first, bars);
+        tma_v_tile(vt, &maps.v, col, kb_first, p.v_shift, bars);
     }
     __syncthreads();  // the barriers initialized before anyone waits on them
 
@@ -691,7 +719,6 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, const FwdMaps& ma
 
     for (int nb = 0; nb < nblocks; ++nb) {
         const int k0 = kb_first + nb * BLOCK;
-        const uint32_t kt = fwd_slot(slots, nb), vt = fwd_slot(slots, nb + 2);  // (nb - 1 mod 3)
         tk::mbar_wait(bars + 8 * (nb & 1), (nb >> 1) & 1);  // K and V of tile nb (and Q) have landed
         float s[8][4];  // written whole by the MMAs' first k-step
         gemm_abt_issue<true>(s, sQ, kt);
@@ -702,19 +729,18 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, const FwdMaps& ma
         if (nb + 1 < nblocks && threadIdx.x == 0) {
             const uint32_t bar = bars + 8 * ((nb + 1) & 1);
             tk::mbar_expect_tx(bar, 2 * TILE_BYTES);
-            tma_tile(fwd_slot(slots, nb + 1), &maps.k, col, k0 + BLOCK, bar);     // where V of nb - 1 was
+            tma_tile(free_slot, &maps.k, col, k0 + BLOCK, bar);                   // where V of nb - 1 was
             tma_v_tile(kt, &maps.v, col, k0 + BLOCK, p.v_shift, bar);             // where K of nb was
         }
 
-        const bool need_mask = key_tile_needs_mask(p, q0, k0, s1);
-        const ColumnRange cr[2] = {query_columns(p, row_lo, s1, k0, cb), query_columns(p, row_lo + 8, s1, k0, cb)};
+        if (key_tile_needs_mask(p, q0, k0, s1)) mask_scores(s, query_columns(p, row_lo, s1, k0, cb),
+                                                            query_columns(p, row_lo + 8, s1, k0, cb), -INFINITY);
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float x = s[nt][e] * sl2;
-                if (need_mask && !in_range(cr[e >> 1], nt * 8 + (e & 1))) x = -INFINITY;
+                const float x = s[nt][e] * sl2;  // (-inf stays -inf)
                 s[nt][e] = x;
                 mx[e >> 1] = fmaxf(mx[e >> 1], x);
             }
@@ -749,6 +775,8 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, const FwdMaps& ma
         }
         to_a_frags(pf, s);
         gemm_pb_issue(o, pf, vt);
+        const uint32_t k_next = free_slot;
+        free_slot = vt, vt = kt, kt = k_next;
     }
     tk::wgmma_wait_all();
     settle(o, pf);
@@ -912,18 +940,20 @@ __device__ __forceinline__ void attn_bwd_dkdv_tiles(const Params& p, const BwdMa
                     tma_v_tile(sV, &maps.f.v, col, next.z, p.v_shift, bar_kv);
                 }
             }
-            const bool need_mask = qb < k0 + BLOCK - 1 || qb + BLOCK - 1 - k0 > p.window || qb + BLOCK > s1;
-            const ColumnRange cr[2] = {key_columns(p, key_lo, s1, qb, cb), key_columns(p, key_lo + 8, s1, qb, cb)};
+            if (qb < k0 + BLOCK - 1 || qb + BLOCK - 1 - k0 > p.window || qb + BLOCK > s1)  // P^T 0 there:
+                mask_scores(s, key_columns(p, key_lo, s1, qb, cb), key_columns(p, key_lo + 8, s1, qb, cb), -INFINITY);
 #pragma unroll
-            for (int nt = 0; nt < 8; ++nt)
+            for (int nt = 0; nt < 8; ++nt) {
+                // this thread's two columns' lse and delta, one 8-byte load each (cb is even)
+                const float2 l2 = *reinterpret_cast<const float2*>(L + nt * 8 + cb),
+                             d2 = *reinterpret_cast<const float2*>(Dl + nt * 8 + cb);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    int c = nt * 8 + cb + (e & 1);
-                    float pv = tk::fast_exp2(s[nt][e] * sl2 - L[c]);
-                    if (need_mask && !in_range(cr[e >> 1], nt * 8 + (e & 1))) pv = 0.f;
+                    const float pv = tk::fast_exp2(s[nt][e] * sl2 - (e & 1 ? l2.y : l2.x));  // 2^-inf = +0
                     s[nt][e] = pv;
-                    dp[nt][e] = pv * (dp[nt][e] - Dl[c]);  // dS^T = P^T (dP^T - delta), P in fp32 (as FA2)
+                    dp[nt][e] = pv * (dp[nt][e] - (e & 1 ? d2.y : d2.x));  // dS^T = P^T (dP^T - delta), P in fp32 (as FA2)
                 }
+            }
             to_a_frags(pf, s);  // P and dS in bf16, as they enter the products
             to_a_frags(dsf, dp);
             gemm_pb_issue(dv, pf, ot);   // dV += P^T dO
@@ -992,10 +1022,10 @@ __device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, const DqMaps& 
         float* d = &dq[0][0];
         tk::fence_regs<64>(d);
         tk::wgmma_fence();
+        const tk::DescBase a(dst, BLOCK * 128, 1024), b(kt, BLOCK * 128, 1024);
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks)  // dQ += dS K: 16 keys a step, A = (dS^T)^T, B = K (rows = keys)
-            tk::wgmma_m64n128k16_ss<1>(d, tk::smem_desc(dst + ks * 2048, BLOCK * 128, 1024),
-                                       tk::smem_desc(kt + ks * 2048, BLOCK * 128, 1024));
+            tk::wgmma_m64n128k16_ss<1>(d, a.at(ks * 2048), b.at(ks * 2048));
         tk::wgmma_commit();
         tk::wgmma_wait_all();
         tk::fence_regs<64>(d);
