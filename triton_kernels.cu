@@ -96,7 +96,7 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint3
 struct DescBase {
     uint32_t lo, hi;
     __device__ __forceinline__ DescBase(uint32_t addr, uint32_t lbo, uint32_t sbo)
-        : lo(((addr & 0x3FFFF) >> 4) | (((lbo >> 4) & 0x3FFF) << 16)), hi(((sbo >> 4) & 0x3FFF) | (1u << 30)) {}
+        : lo((uint32_t)smem_desc(addr, lbo, sbo)), hi((uint32_t)(smem_desc(addr, lbo, sbo) >> 32)) {}
     __device__ __forceinline__ uint64_t at(uint32_t off) const {
         uint64_t d;
         asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo + (off >> 4)), "r"(hi));
@@ -629,16 +629,16 @@ __device__ __forceinline__ ColumnRange key_columns(const Params& p, int j, int s
     return j < s1 ? ColumnRange{j - q0 - cb, min(j + p.window, s1 - 1) - q0 - cb} : ColumnRange{1, 0};
 }
 __device__ __forceinline__ bool in_range(ColumnRange r, int c) { return c >= r.lo && c <= r.hi; }
-// s's scores outside the rows' column ranges (r0: the thread's rows 0-7, r1: 8-15) set to v. Called
+// s's scores outside the rows' column ranges (r0: the thread's rows 0-7, r1: 8-15) set to -inf. Called
 // under its own branch, only for tiles that need a mask: with the test inside the softmax loop ptxas
 // computed the 64 predicates on every tile (predicated off, but issued) and kept them packed in a
 // register, about a third of the forward's instructions.
-__device__ __forceinline__ void mask_scores(float s[8][4], ColumnRange r0, ColumnRange r1, float v) {
+__device__ __forceinline__ void mask_scores(float s[8][4], ColumnRange r0, ColumnRange r1) {
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-            if (!in_range(e >> 1 ? r1 : r0, nt * 8 + (e & 1))) s[nt][e] = v;
+            if (!in_range(e >> 1 ? r1 : r0, nt * 8 + (e & 1))) s[nt][e] = -INFINITY;
 }
 
 // The key tiles the query tile [q0, q0 + 64) of sequence [s0, s1) sees: nblocks from kb_first
@@ -733,8 +733,8 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, const FwdMaps& ma
             tma_v_tile(kt, &maps.v, col, k0 + BLOCK, p.v_shift, bar);             // where K of nb was
         }
 
-        if (key_tile_needs_mask(p, q0, k0, s1)) mask_scores(s, query_columns(p, row_lo, s1, k0, cb),
-                                                            query_columns(p, row_lo + 8, s1, k0, cb), -INFINITY);
+        if (key_tile_needs_mask(p, q0, k0, s1))
+            mask_scores(s, query_columns(p, row_lo, s1, k0, cb), query_columns(p, row_lo + 8, s1, k0, cb));
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
@@ -941,7 +941,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_tiles(const Params& p, const BwdMa
                 }
             }
             if (qb < k0 + BLOCK - 1 || qb + BLOCK - 1 - k0 > p.window || qb + BLOCK > s1)  // P^T 0 there:
-                mask_scores(s, key_columns(p, key_lo, s1, qb, cb), key_columns(p, key_lo + 8, s1, qb, cb), -INFINITY);
+                mask_scores(s, key_columns(p, key_lo, s1, qb, cb), key_columns(p, key_lo + 8, s1, qb, cb));
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt) {
                 // this thread's two columns' lse and delta, one 8-byte load each (cb is even)
