@@ -532,18 +532,6 @@ __device__ __forceinline__ void gemm_abt_issue(float acc[8][4], uint32_t a_tile,
     abt_mmas<OVERWRITE>(d, a_tile, b_tile);
     tk::wgmma_commit();
 }
-// acc0 = A0 . B0^T and acc1 = A1 . B1^T as one commit group; the first k-step of each overwrites its
-// accumulators, which need no zeros
-__device__ __forceinline__ void gemm_abt2_issue(float acc0[8][4], uint32_t a0, uint32_t b0, float acc1[8][4],
-                                                uint32_t a1, uint32_t b1) {
-    float *d0 = &acc0[0][0], *d1 = &acc1[0][0];
-    tk::fence_regs<32>(d0);
-    tk::fence_regs<32>(d1);
-    tk::wgmma_fence();
-    abt_mmas<true>(d0, a0, b0);
-    abt_mmas<true>(d1, a1, b1);
-    tk::wgmma_commit();
-}
 __device__ __forceinline__ void gemm_abt(float acc[8][4], uint32_t a_tile, uint32_t b_tile) {
     gemm_abt_issue(acc, a_tile, b_tile);
     tk::wgmma_wait_all();
@@ -928,9 +916,23 @@ __device__ __forceinline__ void attn_bwd_dkdv_tiles(const Params& p, const BwdMa
             }
             // P^T = exp(S^T - lse), S^T = K Q^T; dP^T = V dO^T (16 keys x 64 queries per warp)
             float s[8][4], dp[8][4];  // written whole by the MMAs' first k-steps
-            gemm_abt2_issue(s, sK, qt, dp, sV, ot);
-            tk::wgmma_wait_all();
+            // two commit groups, so that P^T's exponentials and dV's MMAs run while dP^T's are in flight
+            gemm_abt_issue<true>(s, sK, qt);
+            gemm_abt_issue<true>(dp, sV, ot);
+            tk::wgmma_wait1();  // S^T
             tk::fence_regs<32>(&s[0][0]);
+            if (qb < k0 + BLOCK - 1 || qb + BLOCK - 1 - k0 > p.window || qb + BLOCK > s1)  // P^T 0 there:
+                mask_scores(s, key_columns(p, key_lo, s1, qb, cb), key_columns(p, key_lo + 8, s1, qb, cb));
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+                // this thread's two columns' lse, one 8-byte load (cb is even)
+                const float2 l2 = *reinterpret_cast<const float2*>(L + nt * 8 + cb);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[nt][e] = tk::fast_exp2(s[nt][e] * sl2 - (e & 1 ? l2.y : l2.x));  // 2^-inf = +0
+            }
+            to_a_frags(pf, s);          // P in bf16, as it enters the product
+            gemm_pb_issue(dv, pf, ot);  // dV += P^T dO
+            tk::wgmma_wait1();          // dP^T (dV's MMAs may still run)
             tk::fence_regs<32>(&dp[0][0]);
             if (last && has_next) {  // K and V are read by no MMA after this: the next tile's go there
                 __syncthreads();
@@ -940,23 +942,14 @@ __device__ __forceinline__ void attn_bwd_dkdv_tiles(const Params& p, const BwdMa
                     tma_v_tile(sV, &maps.f.v, col, next.z, p.v_shift, bar_kv);
                 }
             }
-            if (qb < k0 + BLOCK - 1 || qb + BLOCK - 1 - k0 > p.window || qb + BLOCK > s1)  // P^T 0 there:
-                mask_scores(s, key_columns(p, key_lo, s1, qb, cb), key_columns(p, key_lo + 8, s1, qb, cb));
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt) {
-                // this thread's two columns' lse and delta, one 8-byte load each (cb is even)
-                const float2 l2 = *reinterpret_cast<const float2*>(L + nt * 8 + cb),
-                             d2 = *reinterpret_cast<const float2*>(Dl + nt * 8 + cb);
+                const float2 d2 = *reinterpret_cast<const float2*>(Dl + nt * 8 + cb);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float pv = tk::fast_exp2(s[nt][e] * sl2 - (e & 1 ? l2.y : l2.x));  // 2^-inf = +0
-                    s[nt][e] = pv;
-                    dp[nt][e] = pv * (dp[nt][e] - (e & 1 ? d2.y : d2.x));  // dS^T = P^T (dP^T - delta), P in fp32 (as FA2)
-                }
+                for (int e = 0; e < 4; ++e)  // dS^T = P^T (dP^T - delta), P in fp32 (as FA2)
+                    dp[nt][e] = s[nt][e] * (dp[nt][e] - (e & 1 ? d2.y : d2.x));
             }
-            to_a_frags(pf, s);  // P and dS in bf16, as they enter the products
             to_a_frags(dsf, dp);
-            gemm_pb_issue(dv, pf, ot);   // dV += P^T dO
             gemm_pb_issue(dk, dsf, qt);  // dK += dS^T Q
             tk::wgmma_wait_all();
             settle(dv, pf);
