@@ -654,6 +654,26 @@ static void test_step_plan() {
 // attention's tile bookkeeping (host-callable, the kernels' own functions): the backward's dK/dV
 // pass stores each (key tile, query tile) pair's dS^T where the dQ pass reads it
 
+// tk::poly_exp2 (the cross-entropy loss's exponentials on the FMA pipe) against exp2 over its range,
+// at random points and at the integers and half-integers where its rounding to j changes
+static void test_poly_exp2() {
+    std::mt19937_64 rng(31);
+    std::uniform_real_distribution<float> u(-125.f, 125.f);
+    double worst = 0;
+    float at = 0;
+    auto check = [&](float x) {
+        const double e = std::fabs((double)tk::poly_exp2(x) / std::exp2((double)x) - 1);
+        if (!(e <= worst)) worst = e, at = x;
+    };
+    for (int i = 0; i < 1000000; ++i) check(u(rng));
+    for (int j = -125; j <= 125; ++j)
+        for (float d : {-0.5f, 0.f, 0.5f}) {
+            const float x = j + d;
+            check(x), check(std::nextafter(x, -INFINITY)), check(std::nextafter(x, INFINITY));
+        }
+    CHECK(worst < 3e-6, "poly_exp2: relative error %.2e at x = %.9g (its polynomial's bound is 2.7e-6)", worst, at);
+}
+
 static void test_attention_tiles() {
     std::mt19937_64 rng(23);
     const int windows[] = {1, 63, 64, 65, 130, 384, 1408, 1664, 100000};
@@ -1183,6 +1203,7 @@ int main(int argc, char** argv) {
                                                          {"early plan", test_backward_reduce_plan},
                                                          {"layers", test_layer_table},
                                                          {"attn tiles", test_attention_tiles},
+                                                         {"poly exp2", test_poly_exp2},
                                                          {"init", test_init},
                                                          {"checkpoint", test_checkpoint_format},
                                                          {"rerun", test_logged_configuration},
