@@ -314,8 +314,9 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
+// this thread's copies but the last N groups have landed (a compiler barrier too: its reads come after)
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // four 8 x 8 b16 matrices from a warp's mma fragments (register j: matrix j) into shared memory,
 // lane i giving the address of row i % 8 of matrix i / 8
@@ -1401,7 +1402,6 @@ __global__ void __launch_bounds__(256, 4) grad_fp8_kernel(const Params p, uint8_
             load_logits(p, r0, col + (GSTAGES - 1) * GC, stages + (j + GSTAGES - 1) % GSTAGES * GSTAGE_BYTES);
         tk::cp_async_commit();
         tk::cp_async_wait<GSTAGES - 1>();  // this tile's copies (this thread's) have landed
-        asm volatile("" ::: "memory");
         uint4 raw[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i)
