@@ -411,6 +411,7 @@ constexpr int THREADS = 128;  // 4 warps, 16 rows each
 constexpr int TILE_BYTES = BLOCK * D * 2;
 constexpr int DS_PITCH = BLOCK * 2 + 16;  // bytes a row of dS^T staged in shared memory (conflict-free)
 constexpr float LOG2E = 1.4426950408889634f;
+constexpr float RESCALE_LOG2 = 8.f;  // the forward moves a row's softmax maximum once it grows by 2^8
 
 struct Params {
     const __nv_bfloat16 *q, *k, *v;
@@ -748,44 +749,51 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, const FwdMaps& ma
 
         if (key_tile_needs_mask(p, q0, k0, s1))
             mask_scores(s, query_columns(p, row_lo, s1, k0, cb), query_columns(p, row_lo + 8, s1, k0, cb));
+        // the rows' maxima of the raw scores (the scale is positive: the same keys as the scaled ones')
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float x = s[nt][e] * sl2;  // (-inf stays -inf)
-                s[nt][e] = x;
-                mx[e >> 1] = fmaxf(mx[e >> 1], x);
-            }
-        float alpha[2], mu[2];
+            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+        bool grow = false;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            float mn = fmaxf(m[r], mx[r]);
-            mu[r] = mn == -INFINITY ? 0.f : mn;  // a row with nothing visible yet
-            alpha[r] = tk::fast_exp2(m[r] - mu[r]);
-            m[r] = mn;
+            mx[r] *= sl2;  // (-inf stays -inf)
+            grow |= mx[r] > m[r] + RESCALE_LOG2;
         }
+        // Lazy rescaling (FlashAttention 4): a row keeps its stale maximum m while the tile's stays within
+        // 2^RESCALE_LOG2 of it (its exponentials then reach at most that, far from fp32's or bf16's
+        // limits; l and O are sums over the same m, so O / l is the same softmax, and lse = m + log l);
+        // only where some row of the warp grows further are m, l and O moved to the new maxima (the
+        // 64 multiplications of O a tile, which the stale maxima skip on most tiles)
+        if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float mn = fmaxf(m[r], mx[r]);
+                const float alpha = tk::fast_exp2(m[r] - (mn == -INFINITY ? 0.f : mn));  // (0 while m is -inf)
+                m[r] = mn;
+                l[r] *= alpha;
+#pragma unroll
+                for (int dt = 0; dt < 16; ++dt) o[dt][2 * r] *= alpha, o[dt][2 * r + 1] *= alpha;
+            }
+        }
+        float mu[2];  // 0 for a row with nothing visible yet (its scores are all -inf)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) mu[r] = m[r] == -INFINITY ? 0.f : m[r];
         float rs[2] = {0.f, 0.f};
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float pv = tk::fast_exp2(s[nt][e] - mu[e >> 1]);
+                // the scale and the maximum in one FMA (-inf gives 2^-inf = 0)
+                const float pv = tk::fast_exp2(fmaf(s[nt][e], sl2, -mu[e >> 1]));
                 s[nt][e] = pv;
                 rs[e >> 1] += pv;
             }
 #pragma unroll
-        for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + rs[r];
-        // o *= alpha, unless no row of the warp changed its maximum (alpha 1: the same bits)
-        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-            for (int dt = 0; dt < 16; ++dt) {
-                o[dt][0] *= alpha[0], o[dt][1] *= alpha[0];
-                o[dt][2] *= alpha[1], o[dt][3] *= alpha[1];
-            }
-        }
+        for (int r = 0; r < 2; ++r) l[r] += rs[r];
         to_a_frags(pf, s);
         gemm_pb_issue(o, pf, vt);
         const uint32_t k_next = free_slot;
