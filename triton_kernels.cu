@@ -2800,16 +2800,21 @@ __host__ __device__ inline size_t window_slot(int window, int slot, int k) {
 }
 
 template <int NT>
-__device__ __forceinline__ void add_to_rows(const Tables& t, int id, int col, const float (&acc)[NT][4]) {
+__device__ __forceinline__ void load_rows(const Tables& t, int id, int col, uint2 (&row)[NT]) {
+#pragma unroll
+    for (int k = 0; k < NT; ++k) row[k] = *reinterpret_cast<const uint2*>(t.table_grad[k] + (int64_t)id * DIM + col);
+}
+// rows of the tables' gradient (as load_rows read them) + acc, stored
+template <int NT>
+__device__ __forceinline__ void add_to_rows(const Tables& t, int id, int col, const uint2 (&row)[NT], const float (&acc)[NT][4]) {
 #pragma unroll
     for (int k = 0; k < NT; ++k) {
-        uint2* dst = reinterpret_cast<uint2*>(t.table_grad[k] + (int64_t)id * DIM + col);
-        uint2 u = *dst;
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&row[k]);
         const float2 lo = __bfloat1622float2(h[0]), hi = __bfloat1622float2(h[1]);
+        uint2 u;
         u.x = tk::pack_bf16(lo.x + acc[k][0], lo.y + acc[k][1]);
         u.y = tk::pack_bf16(hi.x + acc[k][2], hi.y + acc[k][3]);
-        *dst = u;
+        *reinterpret_cast<uint2*>(t.table_grad[k] + (int64_t)id * DIM + col) = u;
     }
 }
 
@@ -2824,6 +2829,8 @@ __global__ void __launch_bounds__(256) scatter_add_kernel(const int* sorted_ids,
     // the window's ids in two registers a lane, and the segments' first rows as a bit mask
     const int a0 = i0 + lane, a1 = i0 + 32 + lane;
     const int id0 = a0 < i1 ? sorted_ids[a0] : -1, id1 = a1 < i1 ? sorted_ids[a1] : -1;
+    // and their positions, so that a segment's row loads wait on nothing
+    const int pos0 = a0 < i1 ? sorted_pos[a0] : 0, pos1 = a1 < i1 ? sorted_pos[a1] : 0;
     int up0 = __shfl_up_sync(0xffffffffu, id0, 1), up1 = __shfl_up_sync(0xffffffffu, id1, 1);
     const int last0 = __shfl_sync(0xffffffffu, id0, 31);
     if (lane == 0) up1 = last0;
@@ -2835,13 +2842,19 @@ __global__ void __launch_bounds__(256) scatter_add_kernel(const int* sorted_ids,
         const uint64_t later = r + 1 < 64 ? firsts >> (r + 1) : 0;
         const int e = later ? r + 1 + __ffsll((long long)later) - 1 : n;  // the segment is rows [r, e)
         const int id = r < 32 ? __shfl_sync(0xffffffffu, id0, r) : __shfl_sync(0xffffffffu, id1, r - 32);
+        // the tables' rows this segment adds to, loaded beside its first rows: a short segment (most
+        // are) then waits for one round of loads, not two (no other warp writes them in this kernel)
+        uint2 row[NT];
+        load_rows<NT>(t, id, col, row);
         float acc[NT][4] = {};
         for (int j0 = i0 + r; j0 < i0 + e; j0 += ROWS) {
             uint2 v[ROWS][NT];
 #pragma unroll
             for (int rr = 0; rr < ROWS; ++rr)
-                if (j0 + rr < i0 + e) {
-                    const int64_t off = (int64_t)sorted_pos[j0 + rr] * t.ld + col;
+                if (j0 + rr < i0 + e) {  // (the same for the whole warp)
+                    const int w = j0 + rr - i0;
+                    const int pos = w < 32 ? __shfl_sync(0xffffffffu, pos0, w) : __shfl_sync(0xffffffffu, pos1, w - 32);
+                    const int64_t off = (int64_t)pos * t.ld + col;
 #pragma unroll
                     for (int k = 0; k < NT; ++k) v[rr][k] = *reinterpret_cast<const uint2*>(t.grad[k] + off);
                 }
@@ -2858,7 +2871,7 @@ __global__ void __launch_bounds__(256) scatter_add_kernel(const int* sorted_ids,
         }
         const bool begun = r == 0 && before == id, goes_on = e == n && after == id;
         if (!begun && !goes_on) {
-            add_to_rows<NT>(t, id, col, acc);
+            add_to_rows<NT>(t, id, col, row, acc);
         } else {  // a piece of a crossing run
 #pragma unroll
             for (int k = 0; k < NT; ++k)
@@ -2896,7 +2909,9 @@ __global__ void __launch_bounds__(256) window_sums_kernel(const int* sorted_ids,
         const int end = (w + 1) * W;
         if (end >= tokens || sorted_ids[end] != id) break;  // the run ends in window w
     }
-    add_to_rows<NT>(t, id, col, acc);
+    uint2 row[NT];
+    load_rows<NT>(t, id, col, row);
+    add_to_rows<NT>(t, id, col, row, acc);
 }
 
 }  // namespace embed
