@@ -2092,9 +2092,10 @@ class Model {
         dpre_ = bf(T * 4 * D), dxn_head_ = bf(T * D), demb_ = bf(T * D);
         dpost_ = args.fused_mlp ? nullptr : bf(T * 4 * D);  // the fused backward never stores dpost
         for (auto& v : dve_) v = bf(T * D);
-        dw_ = alloc<float>(3 * D * D), delta_ = alloc<float>(NUM_HEADS * 2 * T), dz_ = alloc<float>(NUM_HEADS * T);
-        dz_ve_ = alloc<float>(NUM_HEADS * T);
-        dlam_rows_ = alloc<float>(T);
+        dw_ = alloc<float>(3 * D * D), delta_ = alloc<float>(NUM_HEADS * 2 * T);
+        // the gates' dz (and dlam_rows), one slot a gate: the deferred sums read them at the backward's end
+        dz_ = alloc<float>(NUM_ATTN_LAYERS * NUM_HEADS * T), dz_ve_ = alloc<float>(NUM_VE_LAYERS * NUM_HEADS * T);
+        dz_rows_ = alloc<float>(2 * T), dlam_rows_ = alloc<float>(2 * T);
         for (float*& sc : scales_) sc = alloc<float>(1);  // separate allocations: cuBLASLt wants 16-byte alignment
         const float vals[3] = {(float)args.lm_head_x_s, (float)args.lm_head_w_s, (float)args.lm_head_grad_s};
         for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaMemcpy(scales_[i], &vals[i], 4, cudaMemcpyHostToDevice));
@@ -2253,7 +2254,7 @@ class Model {
             if (i == SKIP_OUT) {  // skip: x_in += c 2 sigmoid(z(x0)) skip_source; dx passes through
                 gate::Params sk = row_gate(T, x0_, bf(p_["skip_gate"].data), scalars + SCALAR_SKIP);
                 sk.b = skip_source(), sk.dout = dx_, sk.ld_dout = D, sk.db = dskip_, sk.ld_db = D, sk.db_first = true;
-                sk.dz = dz_, sk.dlam_rows = dlam_rows_;
+                sk.dz = dz_rows_, sk.dlam_rows = dlam_rows_;
                 CUDA_CHECK(gate_backward(GateKind::Skip, sk, dx0_, D, bf(p_["skip_gate"].grad), gscalars + SCALAR_SKIP, s, &deferred_));
             }
             if (grad_ready_) {  // layer i's bank slices are final
@@ -2268,7 +2269,7 @@ class Model {
         // x0 = norm(smear(emb))
         CUDA_CHECK(rms_norm_backward(xs_, D, dx0_, D, rstd0_, dx_, D, T, D, s));
         gate::Params sm = row_gate(T, emb_, bf(p_["smear_gate"].data), scalars + SCALAR_SMEAR);
-        sm.a = emb_, sm.dout = dx_, sm.ld_dout = D, sm.da = demb_, sm.ld_da = D, sm.dz = dz_, sm.dlam_rows = dlam_rows_;
+        sm.a = emb_, sm.dout = dx_, sm.ld_dout = D, sm.da = demb_, sm.ld_da = D, sm.dz = dz_rows_ + T, sm.dlam_rows = dlam_rows_ + T;
         CUDA_CHECK(gate_backward(GateKind::Smear, sm, demb_, D, bf(p_["smear_gate"].grad), gscalars + SCALAR_SMEAR, s, &deferred_));
         side_join(s);  // every weight gradient (and the side stream's deferred sums) before the sums' finish
         CUDA_CHECK(deferred_.finish(s));  // the scalar and gate-weight gradients of every pass above
@@ -2441,7 +2442,7 @@ class Model {
         side_mark(ev_o_);
         // output gate: dy (its input gradient joins dxn after the QKV backward: dz kept till then)
         gate::Params og = head_gate(i, attn_gate_w(i));
-        og.a = l.y, og.dout = dyg_, og.da = dy_, og.dz = dz_;
+        og.a = l.y, og.dout = dyg_, og.da = dy_, og.dz = dz_ + (int64_t)attn_slot(i) * NUM_HEADS * T;
         og.delta = delta_, og.delta_split = paired_head(i) ? 2 : 1;  // attention's delta, in the same pass
         CUDA_CHECK(gate_backward(GateKind::Output, og, nullptr, 0, attn_gate_grad(i), nullptr, s, &deferred_));
         // attention (its tile schedule as the forward made it)
@@ -2459,7 +2460,7 @@ class Model {
         if (has_value_embed(i)) {
             const int k = LAYERS[i].ve;
             vg.b = ve_[k], vg.dout = dv, vg.ld_dout = VALUE_LD, vg.db = dve_[k], vg.db_first = !dve_written_[k];
-            vg.dz = dz_ve_;
+            vg.dz = dz_ve_ + (int64_t)ve_gate_slot(i) * NUM_HEADS * T;
             dve_written_[k] = true;
             CUDA_CHECK(gate_backward(GateKind::ValueEmbedding, vg, nullptr, 0, ve_gate_grad(i), nullptr, s, &deferred_));
         }
@@ -2586,7 +2587,7 @@ class Model {
     uint8_t *xf8_, *xf8t_, *wf8t_, *wf8_, *gf8_, *gf8t_;
     __nv_bfloat16 *dx_, *dx0_, *dskip_, *dback_, *dxn_, *dy_, *dyg_, *dq_, *dk_, *dqkv_, *dpost_, *dpre_,
         *dxn_head_, *demb_, *dve_[NUM_VALUE_EMBEDS];
-    float *dw_, *delta_, *dz_, *dz_ve_, *dlam_rows_;
+    float *dw_, *delta_, *dz_, *dz_ve_, *dz_rows_, *dlam_rows_;  // dz_rows_, dlam_rows_: skip's, then smear's
     bool dve_written_[NUM_VALUE_EMBEDS] = {};  // the backward so far wrote dve_[k]
     std::unique_ptr<EmbeddingBackward> embed_bwd_;
     DeferredSums deferred_;  // the backward's scalar and gate-weight sums (their partial sums too), added at its end

@@ -3222,15 +3222,26 @@ __global__ void gate_input_grad_kernel(const Params p, __nv_bfloat16* dx, int64_
 // the block's warps in order) into p.partial, then one thread per output adds the slices in order.
 constexpr int WG_BLOCKS = 96, MAX_HEADS = 6, WG_OUT = MAX_HEADS * GW + 1;
 
-__global__ void __launch_bounds__(256) gate_weight_partial_kernel(const Params p, bool with_lambda) {
+// what a gate's weight-gradient sums read: its inputs x, dz (and dlam_rows), and where block b of
+// WG_BLOCKS puts its partial sums
+struct WeightJob {
+    const __nv_bfloat16* x;
+    int64_t ld_x;
+    const float *dz, *dlam_rows;
+    float* partial;
+    int tokens, heads;
+    bool with_lambda;
+};
+__device__ __forceinline__ void weight_partial(const WeightJob& p, int block) {
     __shared__ float red[8][WG_OUT];
+    const bool with_lambda = p.with_lambda;
     float acc[MAX_HEADS][GW], lam = 0.f;
 #pragma unroll
     for (int h = 0; h < MAX_HEADS; ++h)
 #pragma unroll
         for (int j = 0; j < GW; ++j) acc[h][j] = 0.f;
-    const int per = (p.tokens + WG_BLOCKS - 1) / WG_BLOCKS, t1 = min(p.tokens, (blockIdx.x + 1) * per);
-    for (int t = blockIdx.x * per + threadIdx.x; t < t1; t += blockDim.x) {
+    const int per = (p.tokens + WG_BLOCKS - 1) / WG_BLOCKS, t1 = min(p.tokens, (block + 1) * per);
+    for (int t = block * per + threadIdx.x; t < t1; t += blockDim.x) {
         float x[GW];
         const __nv_bfloat162* xr = reinterpret_cast<const __nv_bfloat162*>(p.x + t * p.ld_x);
 #pragma unroll
@@ -3265,8 +3276,14 @@ __global__ void __launch_bounds__(256) gate_weight_partial_kernel(const Params p
     if (threadIdx.x < n_out) {
         float s = 0.f;
         for (int w = 0; w < 8; ++w) s += red[w][threadIdx.x];
-        p.partial[blockIdx.x * WG_OUT + threadIdx.x] = s;
+        p.partial[block * WG_OUT + threadIdx.x] = s;
     }
+}
+__host__ __device__ inline WeightJob weight_job(const Params& p, bool with_lambda) {
+    return {p.x, p.ld_x, p.dz, p.dlam_rows, p.partial, p.tokens, p.heads, with_lambda};
+}
+__global__ void __launch_bounds__(256) gate_weight_partial_kernel(const Params p, bool with_lambda) {
+    weight_partial(weight_job(p, with_lambda), blockIdx.x);
 }
 
 // (one thread an output: heads x 12, and the lambda's)
@@ -3291,8 +3308,10 @@ __global__ void gate_weight_finish_kernel(const Params p, bool with_lambda, __nv
 // per-block partial sums into the gradient. Given a DeferredSums, they leave the partial sums in a
 // slot of its own (their `partial` workspace, p.partial for the gates, goes unused) and record the
 // target instead; finish() then does every recorded addition in one launch, a CTA each, with the
-// same arithmetic (the same bits). A backward pass has about 50 of them, each a launch and a gap
-// between kernels. Every target of one finish() is distinct.
+// same arithmetic (the same bits). The gates' partial sums themselves wait too: finish() makes them
+// all in one launch before the additions (so a gate's inputs x and dz must last till then). A
+// backward pass has about 50 of them, each a launch and a gap between kernels. Every target of one
+// finish() is distinct.
 
 namespace scal {
 constexpr int DOT_BLOCKS = 264;  // the scalar passes' blocks (below): each sums a fixed slice of the values
@@ -3331,6 +3350,17 @@ struct Sums {
     int count;
 };
 
+// the gates' weight-gradient partial sums, all in one launch: blockIdx.y a gate, as gate_backward's
+// gate_weight_partial_kernel would sum them
+constexpr int MAX_GATES = 32;
+struct WeightJobs {
+    gate::WeightJob j[MAX_GATES];
+    int count;
+};
+__global__ void __launch_bounds__(256) weight_partials_kernel(const WeightJobs jobs) {
+    gate::weight_partial(jobs.j[blockIdx.y], blockIdx.x);
+}
+
 // a CTA a sum, as scal::finish_kernel or gate::gate_weight_finish_kernel would add it
 __global__ void finish_kernel(const Sums sums) {
     const Sum& d = sums.s[blockIdx.x];
@@ -3363,15 +3393,21 @@ class DeferredSums {
         sums_.s[sums_.count++] = {partial, g0, g1, nullptr, s0, s1, 0, false};
         return partial;
     }
-    // the same for a gate's weight (dw: heads x 12) and, with_lambda, its scalar (*dlambda)
-    float* gate_weights(int heads, bool with_lambda, __nv_bfloat16* dw, float* dlambda) {
-        if (n_gate_ >= gate_slots_ || sums_.count >= defer::MAX_SUMS) return nullptr;
-        float* partial = gate_ + (size_t)n_gate_++ * defer::GATE_FLOATS;
-        sums_.s[sums_.count++] = {partial, dlambda, nullptr, dw, 0.f, 0.f, heads, with_lambda};
-        return partial;
+    // the same for a gate's weight (dw: heads x 12) and, with_lambda, its scalar (*dlambda); its
+    // partial sums too wait for finish(), which reads p.x, p.dz (and p.dlam_rows) then: false when the
+    // slots are used up
+    bool gate_weights(const gate::Params& p, bool with_lambda, __nv_bfloat16* dw, float* dlambda) {
+        if (n_gate_ >= gate_slots_ || n_gate_ >= defer::MAX_GATES || sums_.count >= defer::MAX_SUMS) return false;
+        gate::WeightJob job = gate::weight_job(p, with_lambda);
+        job.partial = gate_ + (size_t)n_gate_ * defer::GATE_FLOATS;
+        jobs_.j[n_gate_++] = job;
+        sums_.s[sums_.count++] = {job.partial, dlambda, nullptr, dw, 0.f, 0.f, p.heads, with_lambda};
+        return true;
     }
-    // every recorded sum, then the slots are free again
+    // every recorded sum (the gates' partial sums first), then the slots are free again
     cudaError_t finish(cudaStream_t stream) {
+        jobs_.count = n_gate_;
+        if (jobs_.count > 0) defer::weight_partials_kernel<<<dim3(gate::WG_BLOCKS, jobs_.count), 256, 0, stream>>>(jobs_);
         if (sums_.count > 0) defer::finish_kernel<<<sums_.count, 128, 0, stream>>>(sums_);
         sums_.count = 0, n_scal_ = n_gate_ = 0;
         return cudaGetLastError();
@@ -3381,6 +3417,7 @@ class DeferredSums {
     float *scal_ = nullptr, *gate_ = nullptr;
     int scal_slots_ = 0, gate_slots_ = 0, n_scal_ = 0, n_gate_ = 0;
     defer::Sums sums_{};
+    defer::WeightJobs jobs_{};
 };
 
 enum class GateKind { ValueEmbedding, Output, Smear, Skip };
@@ -3425,6 +3462,8 @@ inline cudaError_t gate_backward(GateKind kind, gate::Params p, __nv_bfloat16* d
                                  float* dlambda, cudaStream_t stream, DeferredSums* deferred = nullptr) {
     const bool per_head = kind == GateKind::ValueEmbedding || kind == GateKind::Output;
     if (per_head && !head_gate_shapes_ok(p, kind == GateKind::ValueEmbedding, true)) return cudaErrorInvalidValue;
+    if (p.heads > gate::MAX_HEADS) return cudaErrorInvalidValue;
+    if (deferred && !deferred->gate_weights(p, !per_head, dw, dlambda)) return cudaErrorInvalidValue;
     const int64_t warps = per_head ? ((int64_t)p.tokens * p.heads + 1) / 2 : p.tokens;
     const unsigned blocks = (unsigned)((warps + 7) / 8);
     switch (kind) {
@@ -3435,10 +3474,9 @@ inline cudaError_t gate_backward(GateKind kind, gate::Params p, __nv_bfloat16* d
     }
     if (dx)
         if (cudaError_t e = gate_input_grad(p, dx, ld_dx, stream)) return e;
-    if (p.heads > gate::MAX_HEADS) return cudaErrorInvalidValue;
-    if (deferred && !(p.partial = deferred->gate_weights(p.heads, !per_head, dw, dlambda))) return cudaErrorInvalidValue;
+    if (deferred) return cudaGetLastError();  // (its weight sums wait for deferred->finish())
     gate::gate_weight_partial_kernel<<<gate::WG_BLOCKS, 256, 0, stream>>>(p, !per_head);
-    if (!deferred) gate::gate_weight_finish_kernel<<<1, 128, 0, stream>>>(p, !per_head, dw, dlambda);
+    gate::gate_weight_finish_kernel<<<1, 128, 0, stream>>>(p, !per_head, dw, dlambda);
     return cudaGetLastError();
 }
 

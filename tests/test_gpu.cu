@@ -1184,6 +1184,23 @@ static void gate_case(GateKind kind, int T, uint64_t seed, bool db_first = false
     __nv_bfloat16* dx_in = kind == GateKind::Smear ? p.da : bf(dx0g.ptr);
     CUDA_CHECK(gate_backward(kind, p, deferred ? nullptr : dx_in, D, bf(dwgr.ptr), dlam.ptr, 0));
     if (deferred) CUDA_CHECK(gate_input_grad(p, dx_in, D, 0));
+    // the same backward with its weight sums deferred (DeferredSums: the partial sums of every gate
+    // in one launch at finish(), as the model's backward does): the same dw and dlambda bits; its
+    // other outputs go to buffers of their own
+    DeviceArray<uint16_t> dwgr2(dw0), db_d(db0), da_d((size_t)T * D);
+    DeviceArray<float> dz_d((size_t)T * H), dlr_d(T), dlam_d(std::vector<float>{0.f}), delta_d((size_t)T * H);
+    {
+        gate::Params pd = p;
+        pd.db = bf(db_d.ptr), pd.da = bf(da_d.ptr), pd.dz = dz_d.ptr, pd.dlam_rows = dlr_d.ptr, pd.partial = nullptr;
+        if (p.delta) pd.delta = delta_d.ptr;
+        DeferredSums ds;
+        CUDA_CHECK(ds.allocate(0, 1));
+        CUDA_CHECK(gate_backward(kind, pd, nullptr, 0, bf(dwgr2.ptr), dlam_d.ptr, 0, &ds));
+        CHECK(gate_backward(kind, pd, nullptr, 0, bf(dwgr2.ptr), dlam_d.ptr, 0, &ds) == cudaErrorInvalidValue,
+              "deferred gate sums: a second gate found a slot of one");
+        CHECK(dwgr2.download() == dw0, "deferred gate sums: dw changed before finish()");
+        CUDA_CHECK(ds.finish(0));
+    }
     CUDA_CHECK(gate_forward(kind, p, 0));  // after the backward: v and x are updated in place
     CUDA_CHECK(cudaDeviceSynchronize());
     auto widen = [&](const std::vector<uint16_t>& v, int cols, int take) {
@@ -1208,6 +1225,8 @@ static void gate_case(GateKind kind, int T, uint64_t seed, bool db_first = false
     std::vector<double> dwd(dwgot.size());
     for (size_t i = 0; i < dwd.size(); ++i) dwd[i] = bf16_to_float(dwgot[i]);
     double e_w = rel_err_d(dwd, dw_ref);
+    CHECK(dwgr2.download() == dwgot && dlam_d.download()[0] == dlam.download()[0],
+          "gate kind %d T %d: the deferred weight sums differ from gate_backward's own", (int)kind, T);
     double e_l = per_head ? 0 : std::fabs(dlam.download()[0] - dlam_ref[0]) / std::max(1e-12, std::fabs(dlam_ref[0]));
     double e_d = 0;
     if (kind == GateKind::Output) {
