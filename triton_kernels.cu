@@ -3355,7 +3355,6 @@ struct Sums {
 constexpr int MAX_GATES = 32;
 struct WeightJobs {
     gate::WeightJob j[MAX_GATES];
-    int count;
 };
 __global__ void __launch_bounds__(256) weight_partials_kernel(const WeightJobs jobs) {
     gate::weight_partial(jobs.j[blockIdx.y], blockIdx.x);
@@ -3378,7 +3377,7 @@ class DeferredSums {
     ~DeferredSums() { cudaFree(scal_); }
     // room for `scal_slots` scalar sums and `gate_slots` gate sums between two finish() calls
     cudaError_t allocate(int scal_slots, int gate_slots) {
-        if (scal_slots + gate_slots > defer::MAX_SUMS) return cudaErrorInvalidValue;
+        if (scal_slots + gate_slots > defer::MAX_SUMS || gate_slots > defer::MAX_GATES) return cudaErrorInvalidValue;
         const size_t floats = (size_t)scal_slots * defer::SCAL_FLOATS + (size_t)gate_slots * defer::GATE_FLOATS;
         if (cudaError_t e = cudaMalloc(&scal_, floats * sizeof(float))) return e;
         gate_ = scal_ + (size_t)scal_slots * defer::SCAL_FLOATS;
@@ -3397,7 +3396,7 @@ class DeferredSums {
     // partial sums too wait for finish(), which reads p.x, p.dz (and p.dlam_rows) then: false when the
     // slots are used up
     bool gate_weights(const gate::Params& p, bool with_lambda, __nv_bfloat16* dw, float* dlambda) {
-        if (n_gate_ >= gate_slots_ || n_gate_ >= defer::MAX_GATES || sums_.count >= defer::MAX_SUMS) return false;
+        if (n_gate_ >= gate_slots_ || sums_.count >= defer::MAX_SUMS) return false;
         gate::WeightJob job = gate::weight_job(p, with_lambda);
         job.partial = gate_ + (size_t)n_gate_ * defer::GATE_FLOATS;
         jobs_.j[n_gate_++] = job;
@@ -3406,8 +3405,7 @@ class DeferredSums {
     }
     // every recorded sum (the gates' partial sums first), then the slots are free again
     cudaError_t finish(cudaStream_t stream) {
-        jobs_.count = n_gate_;
-        if (jobs_.count > 0) defer::weight_partials_kernel<<<dim3(gate::WG_BLOCKS, jobs_.count), 256, 0, stream>>>(jobs_);
+        if (n_gate_ > 0) defer::weight_partials_kernel<<<dim3(gate::WG_BLOCKS, n_gate_), 256, 0, stream>>>(jobs_);
         if (sums_.count > 0) defer::finish_kernel<<<sums_.count, 128, 0, stream>>>(sums_);
         sums_.count = 0, n_scal_ = n_gate_ = 0;
         return cudaGetLastError();
@@ -3417,7 +3415,7 @@ class DeferredSums {
     float *scal_ = nullptr, *gate_ = nullptr;
     int scal_slots_ = 0, gate_slots_ = 0, n_scal_ = 0, n_gate_ = 0;
     defer::Sums sums_{};
-    defer::WeightJobs jobs_{};
+    defer::WeightJobs jobs_{};  // the first n_gate_ recorded
 };
 
 enum class GateKind { ValueEmbedding, Output, Smear, Skip };
