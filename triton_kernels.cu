@@ -3070,57 +3070,79 @@ __device__ __forceinline__ float dot8(const float a[8], const float b[8]) {
     return tk::half_warp_sum(s);
 }
 
-// 16 threads per (token, head), 8 of the 128 channels each (whole warps: tokens x heads is even)
+// One warp a token over its 6 heads x 128 channels: lane l holds channels v * 256 + l * 8 .. + 7 of
+// v = 0..2, i.e. head 2v + l / 16 in 16 lanes a head (dot8's half-warp sums); lanes 0..5 make the 6
+// gates, the others take theirs by shuffles. Every load of the token is issued before the gates'
+// logits: 16 threads a (token, head), each with its own logit before one 16-byte load, ran the
+// output gate at 2.7-3.0 TB/s under ncu.
 template <int K>
 __global__ void head_fwd_kernel(const Params p) {
-    const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 16;
-    if (w >= (int64_t)p.tokens * p.heads) return;
-    const int t = (int)(w / p.heads), h = (int)(w % p.heads), c = h * 128 + (threadIdx.x & 15) * 8;
-    const float s = sigmoid(logit_vec(p, t, h));
-    float a[8], b[8];
-    tk::load8(p.a + t * p.ld_a + c, a);
-    if (K == VE) {
-        tk::load8(p.b + t * p.ld_b + c, b);
+    const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (t >= p.tokens) return;
+    float a[3][8], b[3][8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) a[e] += 2.f * s * b[e];
-        tk::store8(p.a + t * p.ld_a + c, a);
-    } else {
+    for (int v = 0; v < 3; ++v) {
+        tk::load8(p.a + t * p.ld_a + v * 256 + lane * 8, a[v]);
+        if (K == VE) tk::load8(p.b + t * p.ld_b + v * 256 + lane * 8, b[v]);
+    }
+    const float mine = sigmoid(logit_vec(p, t, lane < 6 ? lane : 0));
 #pragma unroll
-        for (int e = 0; e < 8; ++e) a[e] *= s;
-        tk::store8(p.out + t * p.ld_out + c, a);
+    for (int v = 0; v < 3; ++v) {
+        const float s = __shfl_sync(0xffffffffu, mine, 2 * v + (lane >> 4));
+        if (K == VE) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) a[v][e] += 2.f * s * b[v][e];
+            tk::store8(p.a + t * p.ld_a + v * 256 + lane * 8, a[v]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) a[v][e] *= s;
+            tk::store8(p.out + t * p.ld_out + v * 256 + lane * 8, a[v]);
+        }
     }
 }
 
 template <int K>
 __global__ void head_bwd_kernel(const Params p) {
-    const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 16;
-    if (w >= (int64_t)p.tokens * p.heads) return;
-    const int t = (int)(w / p.heads), h = (int)(w % p.heads), c = h * 128 + (threadIdx.x & 15) * 8;
-    const float s = sigmoid(logit_vec(p, t, h));
-    float g[8], b[8];
-    tk::load8(p.dout + t * p.ld_dout + c, g);
-    if (K == VE) {  // v passes through; dve += 2 s dv; dz = (dv . ve) 2 s (1 - s)
-        tk::load8(p.b + t * p.ld_b + c, b);
-        const float d = dot8(g, b);
-        float acc[8] = {};  // db_first: 0 + the term, as on a zeroed db
-        if (!p.db_first) tk::load8(p.db + t * p.ld_db + c, acc);
+    const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (t >= p.tokens) return;
+    float g[3][8], b[3][8], acc[3][8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] += 2.f * s * g[e];
-        tk::store8(p.db + t * p.ld_db + c, acc);
-        if ((threadIdx.x & 15) == 0) p.dz[w] = d * 2.f * s * (1.f - s);
-    } else {  // dy = dout s; dz = (dout . y) s (1 - s)
-        tk::load8(p.a + t * p.ld_a + c, b);
-        const float d = dot8(g, b);
+    for (int v = 0; v < 3; ++v) {
+        const int c = v * 256 + lane * 8;
+        tk::load8(p.dout + t * p.ld_dout + c, g[v]);
+        if (K == VE) {
+            tk::load8(p.b + t * p.ld_b + c, b[v]);
+            if (!p.db_first) tk::load8(p.db + t * p.ld_db + c, acc[v]);
+            else  // db_first: 0 + the term, as on a zeroed db
 #pragma unroll
-        for (int e = 0; e < 8; ++e) g[e] = tk::round_bf16(g[e] * s);  // as stored: attention's delta reads dy in bf16
-        tk::store8(p.da + t * p.ld_da + c, g);
-        float delta = 0.f;
-        if (p.delta) delta = dot8(g, b);
-        if ((threadIdx.x & 15) == 0) {
-            p.dz[w] = d * s * (1.f - s);
-            if (p.delta) {
-                const int heads_a = p.heads / p.delta_split;
-                p.delta[(int64_t)(h % heads_a) * p.tokens * p.delta_split + (int64_t)t * p.delta_split + h / heads_a] = delta;
+                for (int e = 0; e < 8; ++e) acc[v][e] = 0.f;
+        } else {
+            tk::load8(p.a + t * p.ld_a + c, b[v]);
+        }
+    }
+    const float mine = sigmoid(logit_vec(p, t, lane < 6 ? lane : 0));
+#pragma unroll
+    for (int v = 0; v < 3; ++v) {
+        const int h = 2 * v + (lane >> 4), c = v * 256 + lane * 8;
+        const float s = __shfl_sync(0xffffffffu, mine, h);
+        const float d = dot8(g[v], b[v]);
+        if (K == VE) {  // v passes through; dve += 2 s dv; dz = (dv . ve) 2 s (1 - s)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[v][e] += 2.f * s * g[v][e];
+            tk::store8(p.db + t * p.ld_db + c, acc[v]);
+            if ((lane & 15) == 0) p.dz[(int64_t)t * p.heads + h] = d * 2.f * s * (1.f - s);
+        } else {  // dy = dout s; dz = (dout . y) s (1 - s)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) g[v][e] = tk::round_bf16(g[v][e] * s);  // as stored: attention's delta reads dy in bf16
+            tk::store8(p.da + t * p.ld_da + c, g[v]);
+            float delta = 0.f;
+            if (p.delta) delta = dot8(g[v], b[v]);
+            if ((lane & 15) == 0) {
+                p.dz[(int64_t)t * p.heads + h] = d * s * (1.f - s);
+                if (p.delta) {
+                    const int heads_a = p.heads / p.delta_split;
+                    p.delta[(int64_t)(h % heads_a) * p.tokens * p.delta_split + (int64_t)t * p.delta_split + h / heads_a] = delta;
+                }
             }
         }
     }
@@ -3421,10 +3443,10 @@ class DeferredSums {
 enum class GateKind { ValueEmbedding, Output, Smear, Skip };
 
 // the head gates' vector loads: 16-byte aligned rows of a (b, out), 8-byte aligned gate inputs and
-// weights, and whole warps (tokens x heads even)
+// weights, and six heads (a warp a token's 768 channels)
 inline bool head_gate_shapes_ok(const gate::Params& p, bool ve, bool backward) {
     auto al = [](const void* q, int64_t ld, int bytes) { return (uintptr_t)q % bytes == 0 && (ld * 2) % bytes == 0; };
-    const bool common = (int64_t)p.tokens * p.heads % 2 == 0 && al(p.x, p.ld_x, 8) && (uintptr_t)p.w % 8 == 0;
+    const bool common = p.heads == 6 && al(p.x, p.ld_x, 8) && (uintptr_t)p.w % 8 == 0;
     if (ve)  // v (in place) + ve; backward: dv, dve
         return common && al(p.b, p.ld_b, 16) &&
                (backward ? al(p.dout, p.ld_dout, 16) && al(p.db, p.ld_db, 16) : al(p.a, p.ld_a, 16));
@@ -3436,8 +3458,7 @@ inline bool head_gate_shapes_ok(const gate::Params& p, bool ve, bool backward) {
 inline cudaError_t gate_forward(GateKind kind, const gate::Params& p, cudaStream_t stream) {
     const bool per_head = kind == GateKind::ValueEmbedding || kind == GateKind::Output;
     if (per_head && !head_gate_shapes_ok(p, kind == GateKind::ValueEmbedding, false)) return cudaErrorInvalidValue;
-    const int64_t warps = per_head ? ((int64_t)p.tokens * p.heads + 1) / 2 : p.tokens;  // head gates: 2 per warp
-    const unsigned blocks = (unsigned)((warps + 7) / 8);
+    const unsigned blocks = (unsigned)((p.tokens + 7) / 8);  // a warp a token
     switch (kind) {
         case GateKind::ValueEmbedding: gate::head_fwd_kernel<gate::VE><<<blocks, 256, 0, stream>>>(p); break;
         case GateKind::Output: gate::head_fwd_kernel<gate::OUT><<<blocks, 256, 0, stream>>>(p); break;
@@ -3462,8 +3483,7 @@ inline cudaError_t gate_backward(GateKind kind, gate::Params p, __nv_bfloat16* d
     if (per_head && !head_gate_shapes_ok(p, kind == GateKind::ValueEmbedding, true)) return cudaErrorInvalidValue;
     if (p.heads > gate::MAX_HEADS) return cudaErrorInvalidValue;
     if (deferred && !deferred->gate_weights(p, !per_head, dw, dlambda)) return cudaErrorInvalidValue;
-    const int64_t warps = per_head ? ((int64_t)p.tokens * p.heads + 1) / 2 : p.tokens;
-    const unsigned blocks = (unsigned)((warps + 7) / 8);
+    const unsigned blocks = (unsigned)((p.tokens + 7) / 8);  // a warp a token
     switch (kind) {
         case GateKind::ValueEmbedding: gate::head_bwd_kernel<gate::VE><<<blocks, 256, 0, stream>>>(p); break;
         case GateKind::Output: gate::head_bwd_kernel<gate::OUT><<<blocks, 256, 0, stream>>>(p); break;
