@@ -3070,33 +3070,37 @@ __device__ __forceinline__ float dot8(const float a[8], const float b[8]) {
     return tk::half_warp_sum(s);
 }
 
-// One warp a token over its 6 heads x 128 channels: lane l holds channels v * 256 + l * 8 .. + 7 of
-// v = 0..2, i.e. head 2v + l / 16 in 16 lanes a head (dot8's half-warp sums); lanes 0..5 make the 6
-// gates, the others take theirs by shuffles. Every load of the token is issued before the gates'
-// logits: 16 threads a (token, head), each with its own logit before one 16-byte load, ran the
-// output gate at 2.7-3.0 TB/s under ncu.
+// One warp a token over its HEADS heads x 128 channels: lane l holds channels head_col(v, l) .. + 7 of
+// v = 0 .. HEADS / 2 - 1, i.e. head 2v + l / 16 in 16 lanes a head (dot8's half-warp sums); lanes
+// 0 .. HEADS - 1 make the gates, the others take theirs by shuffles. Every load of the token is
+// issued before the gates' logits: 16 threads a (token, head), each with its own logit before one
+// 16-byte load, ran the output gate at 2.7-3.0 TB/s under ncu.
+constexpr int HEADS = 6;
+__device__ __forceinline__ int head_col(int v, int lane) { return v * 256 + lane * 8; }
+
 template <int K>
 __global__ void head_fwd_kernel(const Params p) {
     const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
     if (t >= p.tokens) return;
-    float a[3][8], b[3][8];
+    float a[HEADS / 2][8], b[HEADS / 2][8];
 #pragma unroll
-    for (int v = 0; v < 3; ++v) {
-        tk::load8(p.a + t * p.ld_a + v * 256 + lane * 8, a[v]);
-        if (K == VE) tk::load8(p.b + t * p.ld_b + v * 256 + lane * 8, b[v]);
+    for (int v = 0; v < HEADS / 2; ++v) {
+        tk::load8(p.a + t * p.ld_a + head_col(v, lane), a[v]);
+        if (K == VE) tk::load8(p.b + t * p.ld_b + head_col(v, lane), b[v]);
     }
-    const float mine = sigmoid(logit_vec(p, t, lane < 6 ? lane : 0));
+    const float mine = sigmoid(logit_vec(p, t, lane < HEADS ? lane : 0));
 #pragma unroll
-    for (int v = 0; v < 3; ++v) {
+    for (int v = 0; v < HEADS / 2; ++v) {
+        const int c = head_col(v, lane);
         const float s = __shfl_sync(0xffffffffu, mine, 2 * v + (lane >> 4));
         if (K == VE) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) a[v][e] += 2.f * s * b[v][e];
-            tk::store8(p.a + t * p.ld_a + v * 256 + lane * 8, a[v]);
+            tk::store8(p.a + t * p.ld_a + c, a[v]);
         } else {
 #pragma unroll
             for (int e = 0; e < 8; ++e) a[v][e] *= s;
-            tk::store8(p.out + t * p.ld_out + v * 256 + lane * 8, a[v]);
+            tk::store8(p.out + t * p.ld_out + c, a[v]);
         }
     }
 }
@@ -3105,10 +3109,10 @@ template <int K>
 __global__ void head_bwd_kernel(const Params p) {
     const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
     if (t >= p.tokens) return;
-    float g[3][8], b[3][8], acc[3][8];
+    float g[HEADS / 2][8], b[HEADS / 2][8], acc[HEADS / 2][8];
 #pragma unroll
-    for (int v = 0; v < 3; ++v) {
-        const int c = v * 256 + lane * 8;
+    for (int v = 0; v < HEADS / 2; ++v) {
+        const int c = head_col(v, lane);
         tk::load8(p.dout + t * p.ld_dout + c, g[v]);
         if (K == VE) {
             tk::load8(p.b + t * p.ld_b + c, b[v]);
@@ -3120,10 +3124,10 @@ __global__ void head_bwd_kernel(const Params p) {
             tk::load8(p.a + t * p.ld_a + c, b[v]);
         }
     }
-    const float mine = sigmoid(logit_vec(p, t, lane < 6 ? lane : 0));
+    const float mine = sigmoid(logit_vec(p, t, lane < HEADS ? lane : 0));
 #pragma unroll
-    for (int v = 0; v < 3; ++v) {
-        const int h = 2 * v + (lane >> 4), c = v * 256 + lane * 8;
+    for (int v = 0; v < HEADS / 2; ++v) {
+        const int h = 2 * v + (lane >> 4), c = head_col(v, lane);
         const float s = __shfl_sync(0xffffffffu, mine, h);
         const float d = dot8(g[v], b[v]);
         if (K == VE) {  // v passes through; dve += 2 s dv; dz = (dv . ve) 2 s (1 - s)
@@ -3443,10 +3447,10 @@ class DeferredSums {
 enum class GateKind { ValueEmbedding, Output, Smear, Skip };
 
 // the head gates' vector loads: 16-byte aligned rows of a (b, out), 8-byte aligned gate inputs and
-// weights, and six heads (a warp a token's 768 channels)
+// weights, and gate::HEADS heads (a warp a token's channels)
 inline bool head_gate_shapes_ok(const gate::Params& p, bool ve, bool backward) {
     auto al = [](const void* q, int64_t ld, int bytes) { return (uintptr_t)q % bytes == 0 && (ld * 2) % bytes == 0; };
-    const bool common = p.heads == 6 && al(p.x, p.ld_x, 8) && (uintptr_t)p.w % 8 == 0;
+    const bool common = p.heads == gate::HEADS && al(p.x, p.ld_x, 8) && (uintptr_t)p.w % 8 == 0;
     if (ve)  // v (in place) + ve; backward: dv, dve
         return common && al(p.b, p.ld_b, 16) &&
                (backward ? al(p.dout, p.ld_dout, 16) && al(p.db, p.ld_db, 16) : al(p.a, p.ld_a, 16));
