@@ -446,7 +446,8 @@ struct Params {
 // Tile schedule: every 64-row tile of every sequence as {seq start, seq end, tile start, sequence}, in two
 // orders, heaviest first so the last wave is short: by query tile (forward, dQ: later tiles of a
 // sequence see more keys) and by key tile (dK/dV: earlier tiles are seen by more queries).
-// tiles[0].x holds the count; the lists follow at tiles + 1 and tiles + 1 + max_tiles.
+// tiles[0].x holds the count (.y and .z 0: the dK/dV pass's counters); the lists follow at tiles + 1
+// and tiles + 1 + max_tiles.
 __host__ __device__ inline int max_tiles(int positions, int cu_len) { return positions / BLOCK + cu_len; }
 // dS^T tiles: the backward's dK/dV pass keeps each (key tile, query tile) pair's dS^T (64 x 64
 // bf16, rows = keys) for the dQ pass, which then needs one product per pair where it would need
@@ -854,28 +855,45 @@ __device__ __forceinline__ void load_row_stats(float* dst, const float* src, int
 // and dK += dS^T Q, waited for in the same iteration: left in flight across the loop's back edge
 // they made ptxas serialize every wgmma of the kernel (its C7515 warning), 8 ms more a 393k step.
 // dS^T also goes to p.ds for the dQ pass.
-// Persistent: two CTAs an SM (the registers and shared memory allow two), each taking its head's key
-// tiles in a fixed order (persistent_tile); a tile's last iteration issues the next tile's K, V and
-// first Q and dO tiles, so their copies run under its last products and its dK / dV stores (one CTA
-// a tile spent about a quarter of its warps' time in its first loads and last stores).
+// Persistent: two CTAs an SM (the registers and shared memory allow two) over the (head, key tile)
+// items, head by head, each head's tiles heaviest first; a CTA takes the next item when it starts
+// one (an atomic counter, two items ahead), so the CTAs work on one or two heads at a time and the
+// heads' Q and dO tiles stay in L2 (all six heads at once, each CTA its head's tiles in a fixed
+// order, read them from DRAM several times over), and the lightest items come last. The order of
+// the items does not change a bit: every item writes its own dK, dV and dS^T rows. A tile's last
+// iteration issues the next item's K, V and first Q and dO tiles, so their copies run under its
+// last products and its dK / dV stores (one CTA a tile spent about a quarter of its warps' time in
+// its first loads and last stores).
 // the dK/dV pass's maps: the forward's and dout's (as q's)
 struct BwdMaps {
     FwdMaps f;
     CUtensorMap dout;
 };
 constexpr int BWD_CTAS_PER_SM = 2;
-// The n-th tile of the CTA x of `ctas` in a list sorted heaviest first: round n takes the next
-// `ctas` tiles, in turn forwards and backwards (CTA 0 takes the heaviest of even rounds, the
-// lightest of odd ones), so every CTA's total is near the mean.
-__device__ __forceinline__ int persistent_tile(int x, int ctas, int n) {
-    return n * ctas + (n & 1 ? ctas - 1 - x : x);
+// The items' counter: tiles[0].y, the next item past the CTAs' first ones; tiles[0].z counts the
+// CTAs that have finished, and the last one sets both back to 0 (as the schedule leaves them) for
+// the next launch on this schedule.
+__device__ __forceinline__ int next_item(const Params& p) { return gridDim.x + atomicAdd(&p.tiles[0].y, 1); }
+__device__ __forceinline__ void items_done(const Params& p) {
+    if (threadIdx.x != 0) return;
+    __threadfence();  // this CTA's counter increments before its count of the finished
+    if (atomicAdd(&p.tiles[0].z, 1) == (int)gridDim.x - 1) {
+        atomicExch(&p.tiles[0].y, 0);
+        atomicExch(&p.tiles[0].z, 0);
+    }
+}
+// item e: key tile e % count (of the list by key tile, heaviest first) of head e / count
+struct Item {
+    int4 t;  // {seq start, seq end, tile start, sequence}
+    int h;
+};
+__device__ __forceinline__ Item item_at(const Params& p, int e, int count) {
+    return {p.tiles[1 + max_tiles(p.positions, p.cu_len) + e % count], e / count};
 }
 __device__ __forceinline__ void attn_bwd_dkdv_tiles(const Params& p, const BwdMaps& maps, unsigned char* smem) {
-    const int h = blockIdx.y, col = h * D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int count = p.tiles[0].x;
-    const int4* list = p.tiles + 1 + max_tiles(p.positions, p.cu_len);  // by key tile, heaviest first
-    if ((int)blockIdx.x >= count) return;
+    const int count = p.tiles[0].x, items = count * p.heads;
+    if ((int)blockIdx.x >= items) return items_done(p);
     const uint32_t sK = tk::smem_u32(smem), sV = sK + TILE_BYTES, sQ = sK + 2 * TILE_BYTES,
                    sO = sK + 4 * TILE_BYTES;  // sQ[2], sdO[2]
     float* sL = reinterpret_cast<float*>(smem + 6 * TILE_BYTES);  // [2][64] lse * log2e
@@ -886,34 +904,38 @@ __device__ __forceinline__ void attn_bwd_dkdv_tiles(const Params& p, const BwdMa
     // (by TMA, as the forward's tiles) on the mbarrier at bars + 8 (it & 1); K and V on bars + 16
     const uint32_t bars = tk::smem_u32(smem + 6 * TILE_BYTES + 4 * BLOCK * 4 + BLOCK * DS_PITCH);
     const uint32_t bar_kv = bars + 16;
-    const float* lse_h = p.lse + (int64_t)h * p.positions;
-    const float* delta_h = p.delta + (int64_t)h * p.positions;
+    // the items of the CTA's n-th key tile at slot[n & 1]: taken by thread 0 when tile n - 2 starts,
+    // read by all when tile n - 1 starts (a barrier of tile n - 2's iterations between)
+    int* slot = reinterpret_cast<int*>(smem + 6 * TILE_BYTES + 4 * BLOCK * 4 + BLOCK * DS_PITCH + 24);
 
-    int4 cur = list[blockIdx.x];  // {seq start, seq end, tile start, sequence}
+    Item cur = item_at(p, blockIdx.x, count);
     if (threadIdx.x == 0) {
+        slot[1] = next_item(p);
         tk::mbar_init(bars, 1);
         tk::mbar_init(bars + 8, 1);
         tk::mbar_init(bar_kv, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        const int col = cur.h * D;
         tk::mbar_expect_tx(bar_kv, 2 * TILE_BYTES);
-        tma_tile(sK, &maps.f.k, col, cur.z, bar_kv);
-        tma_v_tile(sV, &maps.f.v, col, cur.z, p.v_shift, bar_kv);
+        tma_tile(sK, &maps.f.k, col, cur.t.z, bar_kv);
+        tma_v_tile(sV, &maps.f.v, col, cur.t.z, p.v_shift, bar_kv);
         tk::mbar_expect_tx(bars, 2 * TILE_BYTES);
-        tma_tile(sQ, &maps.f.q, col, cur.z, bars);
-        tma_tile(sO, &maps.dout, col, cur.z, bars);
+        tma_tile(sQ, &maps.f.q, col, cur.t.z, bars);
+        tma_tile(sO, &maps.dout, col, cur.t.z, bars);
     }
-    load_row_stats(sL, lse_h, cur.z, cur.y, LOG2E);
-    load_row_stats(sDl, delta_h, cur.z, cur.y, 1.f);
+    load_row_stats(sL, p.lse + (int64_t)cur.h * p.positions, cur.t.z, cur.t.y, LOG2E);
+    load_row_stats(sDl, p.delta + (int64_t)cur.h * p.positions, cur.t.z, cur.t.y, 1.f);
     __syncthreads();  // the barriers initialized before anyone waits on them
 
     const float sl2 = p.scale * LOG2E;
     const int cb = (lane & 3) * 2;
     int it = 0;
     for (int n = 0;; ++n) {
-        const int s1 = cur.y, k0 = cur.z, seq = cur.w;
-        const int t_next = persistent_tile(blockIdx.x, gridDim.x, n + 1);
-        const bool has_next = t_next < count;
-        const int4 next = has_next ? list[t_next] : cur;  // read now, first needed in the last iteration
+        const int s1 = cur.t.y, k0 = cur.t.z, seq = cur.t.w, h = cur.h;
+        const int e_next = slot[(n + 1) & 1];
+        const bool has_next = e_next < items;
+        const Item next = has_next ? item_at(p, e_next, count) : cur;  // read now, first needed in the last iteration
+        if (threadIdx.x == 0 && has_next) slot[n & 1] = next_item(p);  // tile n + 2's
         const int nblocks = query_blocks(p, s1, k0);
         float dk[16][4] = {}, dv[16][4] = {};
         uint32_t pf[4][4] = {}, dsf[4][4] = {};  // P^T and dS^T: the A fragments of the dV and dK MMAs
@@ -937,15 +959,16 @@ __device__ __forceinline__ void attn_bwd_dkdv_tiles(const Params& p, const BwdMa
             float lse_next = 0.f, delta_next = 0.f;
             const bool refill = !last || has_next;
             if (refill) {
-                const int q_next = last ? next.z : qb + BLOCK, s1_next = last ? next.y : s1;
+                const int q_next = last ? next.t.z : qb + BLOCK, s1_next = last ? next.t.y : s1;
+                const int h_next = last ? next.h : h;
                 if (threadIdx.x == 0) {
                     const uint32_t bar = bars + 8 * (buf ^ 1);
                     tk::mbar_expect_tx(bar, 2 * TILE_BYTES);
-                    tma_tile(sQ + (buf ^ 1) * TILE_BYTES, &maps.f.q, col, q_next, bar);
-                    tma_tile(sO + (buf ^ 1) * TILE_BYTES, &maps.dout, col, q_next, bar);
+                    tma_tile(sQ + (buf ^ 1) * TILE_BYTES, &maps.f.q, h_next * D, q_next, bar);
+                    tma_tile(sO + (buf ^ 1) * TILE_BYTES, &maps.dout, h_next * D, q_next, bar);
                 }
-                lse_next = fetch_row_stat(lse_h, q_next, s1_next);
-                delta_next = fetch_row_stat(delta_h, q_next, s1_next);
+                lse_next = fetch_row_stat(p.lse + (int64_t)h_next * p.positions, q_next, s1_next);
+                delta_next = fetch_row_stat(p.delta + (int64_t)h_next * p.positions, q_next, s1_next);
             }
             // P^T = exp(S^T - lse), S^T = K Q^T; dP^T = V dO^T (16 keys x 64 queries per warp)
             float s[8][4], dp[8][4];  // written whole by the MMAs' first k-steps
@@ -971,8 +994,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_tiles(const Params& p, const BwdMa
                 __syncthreads();
                 if (threadIdx.x == 0) {
                     tk::mbar_expect_tx(bar_kv, 2 * TILE_BYTES);
-                    tma_tile(sK, &maps.f.k, col, next.z, bar_kv);
-                    tma_v_tile(sV, &maps.f.v, col, next.z, p.v_shift, bar_kv);
+                    tma_tile(sK, &maps.f.k, next.h * D, next.t.z, bar_kv);
+                    tma_v_tile(sV, &maps.f.v, next.h * D, next.t.z, p.v_shift, bar_kv);
                 }
             }
 #pragma unroll
@@ -999,35 +1022,51 @@ __device__ __forceinline__ void attn_bwd_dkdv_tiles(const Params& p, const BwdMa
         if (!has_next) break;
         cur = next;
     }
+    items_done(p);
 }
 
-// ---- backward dQ: one CTA per (64-query tile, head), over the key tiles it sees ----
-// dQ += dS K with the dK/dV pass's dS^T tiles (rows = keys: the MMA reads them transposed).
+// ---- backward dQ: one CTA per pair of query tiles (a sequence's tiles 2j and 2j + 1) and head ----
+// dQ += dS K with the dK/dV pass's dS^T tiles (rows = keys: the MMA reads them transposed). The two
+// tiles see nearly the same key tiles: the CTA walks the union of the two ranges once, each K tile
+// copied once for both, and each of its two warpgroups sums one query tile's products, in the order
+// of its keys as one CTA a tile did (the same bits); the pass reads dS^T tiles, 8 KB a product, and
+// K, 16 KB a key tile, which a CTA a tile copied for every product.
 constexpr int DS_TILE_BYTES = BLOCK * BLOCK * 2;
 constexpr int DQ_STAGES = 3;
+constexpr int DQ_THREADS = 2 * THREADS;
 
 // the dQ pass's maps: the dS^T workspace as rows of 64 (a tile: 64 rows from ds_index * 64), and k
 struct DqMaps {
     CUtensorMap ds, k;
 };
-__device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, const DqMaps& maps, unsigned char* smem, int s0, int s1,
+__device__ __forceinline__ void attn_bwd_dq_pair(const Params& p, const DqMaps& maps, unsigned char* smem, int s0, int s1,
                                                  int q0, int seq) {
     const int h = blockIdx.y, col = h * D;
-    const int warp = threadIdx.x >> 5;
-    // DQ_STAGES stages of (dS^T tile, K tile): each product is short, so the loads run ahead; stage
-    // st's copies arrive (by TMA) on the mbarrier at bars + 8 st
-    const uint32_t sDS = tk::smem_u32(smem), sK = sDS + DQ_STAGES * DS_TILE_BYTES, bars = sK + DQ_STAGES * TILE_BYTES;
+    const int warp = threadIdx.x >> 5, wg = warp >> 2;
+    // DQ_STAGES stages of (K tile, the two query tiles' dS^T tiles): each product is short, so the loads
+    // run ahead; stage st's copies arrive (by TMA) on the mbarrier at bars + 8 st
+    const uint32_t sK = tk::smem_u32(smem), sDS = sK + DQ_STAGES * TILE_BYTES, bars = sDS + DQ_STAGES * 2 * DS_TILE_BYTES;
 
-    int kb_first, nblocks;
-    key_blocks(p, s0, s1, q0, kb_first, nblocks);
+    // the key tiles of query tile w (0: q0, 1: q0 + 64, if the sequence has it): [lo[w], hi[w]); the
+    // second's range starts and ends no earlier than the first's, and starts before the first's ends
+    const bool two = q0 + BLOCK < s1;
+    int lo0, n0, lo1 = 0, n1 = 0;
+    key_blocks(p, s0, s1, q0, lo0, n0);
+    if (two) key_blocks(p, s0, s1, q0 + BLOCK, lo1, n1);
+    const int hi0 = lo0 + n0 * BLOCK, hi1 = lo1 + n1 * BLOCK;  // (n1 = 0: the second sees none)
+    const int kb_first = lo0, nblocks = ((two ? hi1 : hi0) - kb_first) / BLOCK;
+    auto sees = [&](int w, int k0) { return w ? k0 >= lo1 && k0 < hi1 : k0 >= lo0 && k0 < hi0; };
     auto load = [&](int nb) {  // key tile nb into its stage (thread 0)
         if (nb < nblocks && threadIdx.x == 0) {
             const int k0 = kb_first + nb * BLOCK, st = nb % DQ_STAGES;
             const uint32_t bar = bars + 8 * st;
-            tk::mbar_expect_tx(bar, DS_TILE_BYTES + TILE_BYTES);
-            tk::tma_load_2d(sDS + st * DS_TILE_BYTES, &maps.ds, 0, (int)ds_index(p, h, k0, seq, (q0 - k0) / BLOCK) * BLOCK,
-                            bar);
+            const bool a = sees(0, k0), b = sees(1, k0);
+            tk::mbar_expect_tx(bar, TILE_BYTES + (a + b) * DS_TILE_BYTES);
             tma_tile(sK + st * TILE_BYTES, &maps.k, col, k0, bar);
+            for (int w = 0; w < 2; ++w)
+                if (w ? b : a)
+                    tk::tma_load_2d(sDS + (2 * st + w) * DS_TILE_BYTES, &maps.ds, 0,
+                                    (int)ds_index(p, h, k0, seq, (q0 + w * BLOCK - k0) / BLOCK) * BLOCK, bar);
         }
     };
     if (threadIdx.x == 0) {
@@ -1040,11 +1079,12 @@ __device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, const DqMaps& 
 
     float dq[16][4] = {};
     for (int nb = 0; nb < nblocks; ++nb) {
-        const int st = nb % DQ_STAGES;
-        const uint32_t dst = sDS + st * DS_TILE_BYTES, kt = sK + st * TILE_BYTES;
+        const int st = nb % DQ_STAGES, k0 = kb_first + nb * BLOCK;
+        const uint32_t dst = sDS + (2 * st + wg) * DS_TILE_BYTES, kt = sK + st * TILE_BYTES;
         tk::mbar_wait(bars + 8 * st, (nb / DQ_STAGES) & 1);  // key tile nb has landed
         __syncthreads();  // and every warp is done with tile nb - 1's stage (its MMA was waited for)
         load(nb + DQ_STAGES - 1);
+        if (!sees(wg, k0)) continue;
         float* d = &dq[0][0];
         tk::fence_regs<64>(d);
         tk::wgmma_fence();
@@ -1056,16 +1096,17 @@ __device__ __forceinline__ void attn_bwd_dq_tile(const Params& p, const DqMaps& 
         tk::wgmma_wait_all();
         tk::fence_regs<64>(d);
     }
-    // staged in the first K slot: every copy landed, and after the barrier every warp has waited for
-    // its part of the last MMA (which may read that slot)
+    // staged in the K slots (8 warps' 16 rows: 18 KB of their 48): every copy landed, and after the
+    // barrier every warp has waited for its part of the last MMA (which may read them)
     __syncthreads();
-    store_rows(sK + warp * 16 * DS_PITCH, p.dq + h * D, p.dq_stride, q0 + warp * 16, s1, dq, p.scale, p.scale);
+    if (wg == 0 || two)
+        store_rows(sK + warp * 16 * DS_PITCH, p.dq + h * D, p.dq_stride, q0 + warp * 16, s1, dq, p.scale, p.scale);
 }
 
 constexpr int FWD_SMEM = 4 * TILE_BYTES + 16 + 1024;             // Q, three K/V slots, 2 mbarriers (+ alignment)
-constexpr int BWD_SMEM = 6 * TILE_BYTES + 4 * BLOCK * 4 + BLOCK * DS_PITCH + 24 + 1024;  // dK/dV: K, V, Q[2],
-                                                        // dO[2], lse[2], delta[2], dS^T rows, 3 mbarriers
-constexpr int DQ_SMEM = DQ_STAGES * (DS_TILE_BYTES + TILE_BYTES + 8) + 1024;  // dQ: (dS^T, K, mbarrier)[DQ_STAGES]
+constexpr int BWD_SMEM = 6 * TILE_BYTES + 4 * BLOCK * 4 + BLOCK * DS_PITCH + 32 + 1024;  // dK/dV: K, V, Q[2],
+                                                        // dO[2], lse[2], delta[2], dS^T rows, 3 mbarriers, 2 item slots
+constexpr int DQ_SMEM = DQ_STAGES * (TILE_BYTES + 2 * DS_TILE_BYTES + 8) + 1024;  // dQ: (K, dS^T[2], mbarrier)[DQ_STAGES]
 
 __global__ void __launch_bounds__(THREADS, 3) attn_fwd_kernel(const Params p, const __grid_constant__ FwdMaps maps) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -1083,12 +1124,15 @@ __global__ void __launch_bounds__(THREADS, BWD_CTAS_PER_SM) attn_bwd_dkdv_kernel
     unsigned char* smem = smem_raw + ((1024 - (tk::smem_u32(smem_raw) & 1023)) & 1023);
     attn_bwd_dkdv_tiles(p, maps, smem);
 }
-__global__ void __launch_bounds__(THREADS) attn_bwd_dq_kernel(const Params p, const __grid_constant__ DqMaps maps) {
+// the list by query tile, heaviest first; a CTA whose tile is a sequence's odd one leaves it to the
+// CTA of the tile before
+__global__ void __launch_bounds__(DQ_THREADS) attn_bwd_dq_kernel(const Params p, const __grid_constant__ DqMaps maps) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (tk::smem_u32(smem_raw) & 1023)) & 1023);
     if ((int)blockIdx.x >= p.tiles[0].x) return;
     const int4 t = p.tiles[1 + blockIdx.x];
-    attn_bwd_dq_tile(p, maps, smem, t.x, t.y, t.z, t.w);
+    if ((t.z - t.x) / BLOCK % 2) return;
+    attn_bwd_dq_pair(p, maps, smem, t.x, t.y, t.z, t.w);
 }
 
 }  // namespace attn
@@ -1160,16 +1204,15 @@ inline cudaError_t attention_backward(attn::Params p, cudaStream_t stream, bool 
     if (cudaError_t e = attention_maps(p, maps.f)) return e;
     if (!attention_rows_map(&maps.dout, p, p.dout, p.dout_stride)) return cudaErrorInvalidValue;
     const int tiles = attn::max_tiles(p.positions, p.cu_len);
-    const int persistent = std::max(1, attn::BWD_CTAS_PER_SM * tk::num_sms() / p.heads);  // CTAs a head: all resident
-    attn::attn_bwd_dkdv_kernel<<<dim3(std::min(tiles, persistent), p.heads), attn::THREADS, attn::BWD_SMEM, stream>>>(
-        p, maps);
+    const int persistent = attn::BWD_CTAS_PER_SM * tk::num_sms();  // all resident
+    attn::attn_bwd_dkdv_kernel<<<std::min(tiles * p.heads, persistent), attn::THREADS, attn::BWD_SMEM, stream>>>(p, maps);
     const dim3 grid(tiles, p.heads);
     attn::DqMaps dq_maps;
     dq_maps.k = maps.f.k;
     const int64_t ds_rows = attention_ds_bytes(p.positions, p.cu_len, p.heads, p.window) / (attn::BLOCK * 2);
     if (tk::make_matrix_map(&dq_maps.ds, p.ds, ds_rows, attn::BLOCK, attn::BLOCK, attn::BLOCK) != CUDA_SUCCESS)
         return cudaErrorInvalidValue;
-    attn::attn_bwd_dq_kernel<<<grid, attn::THREADS, attn::DQ_SMEM, stream>>>(p, dq_maps);
+    attn::attn_bwd_dq_kernel<<<grid, attn::DQ_THREADS, attn::DQ_SMEM, stream>>>(p, dq_maps);
     return cudaGetLastError();
 }
 
