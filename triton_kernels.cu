@@ -399,7 +399,7 @@ __device__ __forceinline__ void store8(__nv_bfloat16* p, const float f[8]) {
 // entry times cu_mult: 2 for the paired-head layout, whose 2T positions interleave head pairs).
 // Online-softmax tiles (FlashAttention-2 schedule) on Hopper wgmma, the MMAs asynchronous where one
 // can run behind another; the backward is deterministic, no atomics: dK/dV by key tile, which also
-// stores each tile pair's dS^T, then dQ by query tile from those dS^T (one product per pair, as
+// stores each tile pair's dS^T, then dQ by pairs of query tiles from those dS^T (one product per pair, as
 // FlashAttention's atomic dQ has, where recomputing S and dP would take three). (In the record:
 // flash_attn over flex_attn by @varunneal, flash_attn_varlen suggested by @YouJiacheng.)
 
@@ -1117,7 +1117,7 @@ __global__ void __launch_bounds__(THREADS, 3) attn_fwd_kernel(const Params p, co
     attn_fwd_tile(p, maps, smem, t.x, t.y, t.z);
 }
 
-// dK/dV by key tile (heaviest first), writing dS^T; then, in a second launch, dQ by query tile
+// dK/dV by key tile (heaviest first), writing dS^T; then, in a second launch, dQ by pairs of query tiles
 __global__ void __launch_bounds__(THREADS, BWD_CTAS_PER_SM) attn_bwd_dkdv_kernel(const Params p,
                                                                                 const __grid_constant__ BwdMaps maps) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
