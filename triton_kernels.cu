@@ -398,7 +398,7 @@ __device__ __forceinline__ void store8(__nv_bfloat16* p, const float f[8]) {
 // one QKV buffer), sequences given by cu_seqlens (int32, padded with repeated final values, each
 // entry times cu_mult: 2 for the paired-head layout, whose 2T positions interleave head pairs).
 // Online-softmax tiles (FlashAttention-2 schedule) on Hopper wgmma, the MMAs asynchronous where one
-// can run behind another; the backward is deterministic, no atomics: dK/dV by key tile, which also
+// can run behind another; the backward is deterministic, no atomic sums: dK/dV by key tile, which also
 // stores each tile pair's dS^T, then dQ by pairs of query tiles from those dS^T (one product per pair, as
 // FlashAttention's atomic dQ has, where recomputing S and dP would take three). (In the record:
 // flash_attn over flex_attn by @varunneal, flash_attn_varlen suggested by @YouJiacheng.)
