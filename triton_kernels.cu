@@ -2861,13 +2861,13 @@ __device__ __forceinline__ void add_to_rows(const Tables& t, int id, int col, co
     }
 }
 
-// ROWS x NT = 12 to 16 loads in flight a lane, at three CTAs an SM: at 64 / NT rows (208 registers) one
-// CTA fit an SM, 8 warps, whose one-row segments (most are) waited on memory latency one after another
+// ROWS x NT = 12 loads in flight a lane, at three CTAs an SM: at 64 / NT rows (208 registers) one CTA
+// fit an SM, 8 warps, whose one-row segments (most are) waited on memory latency one after another
 // (the loop's embedding backward 3.12 -> 1.91 ms per 393k step; two rows at four CTAs an SM: 1.98)
 template <int NT>
 __global__ void __launch_bounds__(256, 3) scatter_add_kernel(const int* sorted_ids, const int* sorted_pos, int tokens,
                                                              Tables t, float* ws) {
-    constexpr int ROWS = NT >= 4 ? 3 : 16 / NT;
+    constexpr int ROWS = 12 / NT;
     const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
     const int q = warp / SLICES, col = (warp % SLICES) * SLICE + lane * 4;
     const int i0 = q * W, i1 = min(tokens, i0 + W);
