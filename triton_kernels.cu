@@ -564,15 +564,19 @@ __device__ __forceinline__ void gemm_abt(float acc[8][4], uint32_t a_tile, uint3
     tk::wgmma_wait_all();
     tk::fence_regs<32>(&acc[0][0]);
 }
-// acc (64 x 128: [16][4] fragments) += P (64 x 64, bf16 A fragments) . B (64 x 128 tile, rows = K)
+// acc (64 x 128: [16][4] fragments) += P (64 x 64, bf16 A fragments) . B (64 x 128 tile, rows = K): the
+// MMAs alone, for a group whose registers were fenced before an earlier wgmma_fence
+__device__ __forceinline__ void pb_mmas(float acc[16][4], uint32_t pf[4][4], uint32_t b_tile) {
+    const tk::DescBase b(b_tile, BLOCK * 128, 1024);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) tk::wgmma_m64n128k16_rs_nmajor(&acc[0][0], pf[ks], b.at(ks * 2048));
+}
 __device__ __forceinline__ void gemm_pb_issue(float acc[16][4], uint32_t pf[4][4], uint32_t b_tile) {
     float* d = &acc[0][0];
     tk::fence_regs<64>(d);
     tk::fence_regs<16>(&pf[0][0]);
     tk::wgmma_fence();
-    const tk::DescBase b(b_tile, BLOCK * 128, 1024);
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) tk::wgmma_m64n128k16_rs_nmajor(d, pf[ks], b.at(ks * 2048));
+    pb_mmas(acc, pf, b_tile);
     tk::wgmma_commit();
 }
 // after a wait: the accumulators of the MMAs it covered, and the A fragments they read
@@ -677,14 +681,12 @@ __device__ __forceinline__ bool key_tile_needs_mask(const Params& p, int q0, int
 }
 
 // ---- forward: one CTA per (64-query tile, head) ----
-// The MMAs run asynchronously so that the tensor cores see P V of one key tile and Q K^T of the
-// next back to back: iteration nb issues S = Q K^T, waits for it (and for the previous P V),
-// refills the other buffers, does the softmax and issues P V, which completes under the next wait.
-// K and V share three tile slots: after that wait only V of tile nb is still read (by the P V issued
-// later), so K and V of tile nb + 1 go where V of tile nb - 1 and K of tile nb were: the three slots
-// (K, V, free) rotate to (free, K, V) from one tile to the next. With 64 KB of tiles three CTAs fit an
-// SM (four slots let two: the kernel waits on latency, not on the tensor cores, and a third CTA hides
-// more of it).
+// The MMAs run asynchronously, and the softmax of one key tile runs under the P V of the one before
+// (FlashAttention 3's intra-warpgroup overlap): iteration nb issues S = Q K^T of tile nb, then P V of
+// tile nb - 1, waits for S alone, refills the free slots, does the softmax, and only then waits for
+// the P V (O is rescaled after it). One slot holds K (tile nb + 1 comes there once every warp's S of
+// tile nb is done), two hold V (tile nb where tile nb - 2 was). With 64 KB of tiles three CTAs fit
+// an SM (the kernel waits on latency, not on the tensor cores, and a third CTA hides more of it).
 // The tiles come by TMA (one thread issues a tile's two 64-column boxes; no thread computes an
 // address): q and k as (positions, heads x 128) maps, v as (rows, positions a row, heads x 128), the
 // paired layout's two positions a row its middle dimension. Rows past the sequence hold the next
@@ -706,46 +708,67 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, const FwdMaps& ma
                                               int q0) {
     const int h = blockIdx.y, col = h * D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const uint32_t sQ = tk::smem_u32(smem);
-    // K and V of tile nb, and the slot that K of tile nb + 1 goes to (V of tile nb - 1 was there)
-    uint32_t kt = sQ + TILE_BYTES, vt = sQ + 2 * TILE_BYTES, free_slot = sQ + 3 * TILE_BYTES;
-    const uint32_t bars = sQ + 4 * TILE_BYTES;  // tile n's copies arrive on the mbarrier at bars + 8 (n & 1)
+    const uint32_t sQ = tk::smem_u32(smem), kt = sQ + TILE_BYTES;
+    auto vslot = [&](int nb) { return sQ + (2 + (nb & 1)) * TILE_BYTES; };  // V of tile nb
+    // K of tile nb (Q with the first) arrives on bark (parity nb & 1), V of tile nb on barv + 8 (nb & 1)
+    // (parity (nb >> 1) & 1)
+    const uint32_t bark = sQ + 4 * TILE_BYTES, barv = bark + 8;
 
     int kb_first, nblocks;
     key_blocks(p, s0, s1, q0, kb_first, nblocks);
 
     if (threadIdx.x == 0) {
-        tk::mbar_init(bars, 1);
-        tk::mbar_init(bars + 8, 1);
+        tk::mbar_init(bark, 1);
+        tk::mbar_init(barv, 1);
+        tk::mbar_init(barv + 8, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        tk::mbar_expect_tx(bars, 3 * TILE_BYTES);
-        tma_tile(sQ, &maps.q, col, q0, bars);
-        tma_tile(kt, &maps.k, col, kb_first, bars);
-        tma_v_tile(vt, &maps.v, col, kb_first, p.v_shift, bars);
+        tk::mbar_expect_tx(bark, 2 * TILE_BYTES);
+        tma_tile(sQ, &maps.q, col, q0, bark);
+        tma_tile(kt, &maps.k, col, kb_first, bark);
     }
     __syncthreads();  // the barriers initialized before anyone waits on them
 
     const float sl2 = p.scale * LOG2E;
     float o[16][4] = {};
-    uint32_t pf[4][4] = {};  // P of the last key tile: read by its P V until the next wait
+    uint32_t pf[4][4] = {};  // P of tile nb - 1: read by its P V, issued in iteration nb, until the wait after the softmax
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     const int row_lo = q0 + warp * 16 + (lane >> 2);  // this thread's rows: row_lo, row_lo + 8
     const int cb = (lane & 3) * 2;                     // and its first column in each 8-column group
 
+    // Iteration nb issues S = Q K^T of tile nb, then P V of tile nb - 1, and waits for S alone: the
+    // softmax of tile nb runs while the tensor cores do the P V (FlashAttention 3's intra-warpgroup
+    // overlap). One slot takes K (tile nb + 1 is loaded there once every warp's S of tile nb is done),
+    // two take V (tile nb goes where tile nb - 2 was: its P V was waited for in iteration nb - 1).
     for (int nb = 0; nb < nblocks; ++nb) {
         const int k0 = kb_first + nb * BLOCK;
-        tk::mbar_wait(bars + 8 * (nb & 1), (nb >> 1) & 1);  // K and V of tile nb (and Q) have landed
+        tk::mbar_wait(bark, nb & 1);  // K of tile nb (and Q) has landed
         float s[8][4];  // written whole by the MMAs' first k-step
-        gemm_abt_issue<true>(s, sQ, kt);
-        tk::wgmma_wait_all();  // S, and the previous tile's P V
+        // one wgmma_fence for both groups: no instruction between them may define their registers
+        // (ptxas would serialize the MMAs), so O and P are fenced before S's MMAs
         tk::fence_regs<32>(&s[0][0]);
-        settle(o, pf);
-        __syncthreads();  // every warp is done with the other buffers: refill them
-        if (nb + 1 < nblocks && threadIdx.x == 0) {
-            const uint32_t bar = bars + 8 * ((nb + 1) & 1);
-            tk::mbar_expect_tx(bar, 2 * TILE_BYTES);
-            tma_tile(free_slot, &maps.k, col, k0 + BLOCK, bar);                   // where V of nb - 1 was
-            tma_v_tile(kt, &maps.v, col, k0 + BLOCK, p.v_shift, bar);             // where K of nb was
+        tk::fence_regs<64>(&o[0][0]);
+        tk::fence_regs<16>(&pf[0][0]);
+        tk::wgmma_fence();
+        abt_mmas<true>(&s[0][0], sQ, kt);
+        tk::wgmma_commit();
+        if (nb > 0) {
+            tk::mbar_wait(barv + 8 * ((nb - 1) & 1), ((nb - 1) >> 1) & 1);  // V of tile nb - 1
+            pb_mmas(o, pf, vslot(nb - 1));
+            tk::wgmma_commit();
+            tk::wgmma_wait1();  // S (the P V goes on)
+        } else {
+            tk::wgmma_wait_all();
+        }
+        tk::fence_regs<32>(&s[0][0]);
+        __syncthreads();  // every warp's S is done (K's slot is free), and every P V of tile nb - 2 (its V's)
+        if (threadIdx.x == 0) {
+            if (nb + 1 < nblocks) {
+                tk::mbar_expect_tx(bark, TILE_BYTES);
+                tma_tile(kt, &maps.k, col, k0 + BLOCK, bark);
+            }
+            const uint32_t bar = barv + 8 * (nb & 1);
+            tk::mbar_expect_tx(bar, TILE_BYTES);
+            tma_v_tile(vslot(nb), &maps.v, col, k0, p.v_shift, bar);
         }
 
         if (key_tile_needs_mask(p, q0, k0, s1))
@@ -768,16 +791,17 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, const FwdMaps& ma
         // 2^RESCALE_LOG2 of it (its exponentials then reach at most that, far from fp32's or bf16's
         // limits; l and O are sums over the same m, so O / l is the same softmax, and lse = m + log l);
         // only where some row of the warp grows further are m, l and O moved to the new maxima (the
-        // 64 multiplications of O a tile, which the stale maxima skip on most tiles)
-        if (__any_sync(0xffffffffu, grow)) {
+        // 64 multiplications of O a tile, which the stale maxima skip on most tiles). O's wait for the
+        // P V in flight comes after this tile's exponentials.
+        const bool warp_grows = __any_sync(0xffffffffu, grow);
+        float alpha[2] = {1.f, 1.f};
+        if (warp_grows) {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const float mn = fmaxf(m[r], mx[r]);
-                const float alpha = tk::fast_exp2(m[r] - (mn == -INFINITY ? 0.f : mn));  // (0 while m is -inf)
+                alpha[r] = tk::fast_exp2(m[r] - (mn == -INFINITY ? 0.f : mn));  // (0 while m is -inf)
                 m[r] = mn;
-                l[r] *= alpha;
-#pragma unroll
-                for (int dt = 0; dt < 16; ++dt) o[dt][2 * r] *= alpha, o[dt][2 * r + 1] *= alpha;
+                l[r] *= alpha[r];
             }
         }
         float mu[2];  // 0 for a row with nothing visible yet (its scores are all -inf)
@@ -795,13 +819,28 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, const FwdMaps& ma
             }
 #pragma unroll
         for (int r = 0; r < 2; ++r) l[r] += rs[r];
-        to_a_frags(pf, s);
-        gemm_pb_issue(o, pf, vt);
-        const uint32_t k_next = free_slot;
-        free_slot = vt, vt = kt, kt = k_next;
+        uint32_t pn[4][4];
+        to_a_frags(pn, s);
+        tk::wgmma_wait_all();  // the P V of tile nb - 1: O and its P are free
+        settle(o, pf);
+        if (warp_grows) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int dt = 0; dt < 16; ++dt) o[dt][2 * r] *= alpha[r], o[dt][2 * r + 1] *= alpha[r];
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) pf[kk][e] = pn[kk][e];
     }
-    tk::wgmma_wait_all();
-    settle(o, pf);
+    if (nblocks > 0) {  // the last tile's P V
+        const int nb = nblocks;
+        tk::mbar_wait(barv + 8 * ((nb - 1) & 1), ((nb - 1) >> 1) & 1);
+        gemm_pb_issue(o, pf, vslot(nb - 1));
+        tk::wgmma_wait_all();
+        settle(o, pf);
+    }
 
     float inv[2], lse[2];
 #pragma unroll
@@ -1103,7 +1142,7 @@ __device__ __forceinline__ void attn_bwd_dq_pair(const Params& p, const DqMaps& 
         store_rows(sK + warp * 16 * DS_PITCH, p.dq + h * D, p.dq_stride, q0 + warp * 16, s1, dq, p.scale, p.scale);
 }
 
-constexpr int FWD_SMEM = 4 * TILE_BYTES + 16 + 1024;             // Q, three K/V slots, 2 mbarriers (+ alignment)
+constexpr int FWD_SMEM = 4 * TILE_BYTES + 24 + 1024;             // Q, K, V[2], 3 mbarriers (+ alignment)
 constexpr int BWD_SMEM = 6 * TILE_BYTES + 4 * BLOCK * 4 + BLOCK * DS_PITCH + 32 + 1024;  // dK/dV: K, V, Q[2],
                                                         // dO[2], lse[2], delta[2], dS^T rows, 3 mbarriers, 2 item slots
 constexpr int DQ_SMEM = DQ_STAGES * (TILE_BYTES + 2 * DS_TILE_BYTES + 8) + 1024;  // dQ: (K, dS^T[2], mbarrier)[DQ_STAGES]
