@@ -891,8 +891,11 @@ __device__ __forceinline__ void load_row_stats(float* dst, const float* src, int
 
 // ---- backward dK, dV: per (64-key tile, head), over the query tiles that see it ----
 // Per query tile: S^T = K Q^T and dP^T = V dO^T issued together, then P^T and dS^T, then dV += P^T dO
-// and dK += dS^T Q, waited for in the same iteration: left in flight across the loop's back edge
-// they made ptxas serialize every wgmma of the kernel (its C7515 warning), 8 ms more a 393k step.
+// (waited for in the iteration) and dK += dS^T Q, left in flight into the next iteration, where the
+// wait for S^T covers it; the refill of the other Q and dO buffers (which dK read) waits for it too.
+// (Both products once left in flight across the back edge made ptxas serialize every wgmma of the
+// kernel, its C7515 warning, 8 ms more a 393k step; dK alone, with the fences before each group's
+// first MMA, compiles without.)
 // dS^T also goes to p.ds for the dQ pass.
 // Persistent: two CTAs an SM (the registers and shared memory allow two) over the (head, key tile)
 // items, head by head, each head's tiles heaviest first; a CTA takes the next item when it starts
@@ -989,12 +992,19 @@ __device__ __forceinline__ void attn_bwd_dkdv_tiles(const Params& p, const BwdMa
             const float* Dl = sDl + buf * BLOCK;
             const bool last = nb + 1 == nblocks;
             tk::mbar_wait(bars + 8 * buf, (it >> 1) & 1);  // Q and dO of query tile nb have landed
-            __syncthreads();  // and every warp is done with the previous iteration (its MMAs were waited
-            // for; its stores of this tile's lse and delta are visible): refill the other buffers before
-            // this iteration's MMAs, which then run under the copies, with this key tile's next query
-            // tile or the next key tile's first. Its lse and delta: loaded into registers here, stored at
-            // the end of the iteration (a store right after its load would hold warps 0-1, and with them
-            // the MMAs, for the DRAM latency)
+            // P^T = exp(S^T - lse), S^T = K Q^T; dP^T = V dO^T (16 keys x 64 queries per warp)
+            float s[8][4], dp[8][4];  // written whole by the MMAs' first k-steps
+            // two commit groups, so that P^T's exponentials and dV's MMAs run while dP^T's are in flight
+            gemm_abt_issue<true>(s, sK, qt);
+            gemm_abt_issue<true>(dp, sV, ot);
+            tk::wgmma_wait1();  // S^T, and the last iteration's dK
+            tk::fence_regs<32>(&s[0][0]);
+            settle(dk, dsf);
+            // every warp's dK of the last iteration is done (the other Q buffer is free: refill the other
+            // buffers, under this iteration's products), and its stores of this tile's lse and delta are
+            // visible. The next tile's lse and delta: loaded into registers here, stored at the end of
+            // the iteration (a store right after its load would hold warps 0-1 for the DRAM latency)
+            __syncthreads();
             float lse_next = 0.f, delta_next = 0.f;
             const bool refill = !last || has_next;
             if (refill) {
@@ -1009,13 +1019,6 @@ __device__ __forceinline__ void attn_bwd_dkdv_tiles(const Params& p, const BwdMa
                 lse_next = fetch_row_stat(p.lse + (int64_t)h_next * p.positions, q_next, s1_next);
                 delta_next = fetch_row_stat(p.delta + (int64_t)h_next * p.positions, q_next, s1_next);
             }
-            // P^T = exp(S^T - lse), S^T = K Q^T; dP^T = V dO^T (16 keys x 64 queries per warp)
-            float s[8][4], dp[8][4];  // written whole by the MMAs' first k-steps
-            // two commit groups, so that P^T's exponentials and dV's MMAs run while dP^T's are in flight
-            gemm_abt_issue<true>(s, sK, qt);
-            gemm_abt_issue<true>(dp, sV, ot);
-            tk::wgmma_wait1();  // S^T
-            tk::fence_regs<32>(&s[0][0]);
             if (qb < k0 + BLOCK - 1 || qb + BLOCK - 1 - k0 > p.window || qb + BLOCK > s1)  // P^T 0 there:
                 mask_scores(s, key_columns(p, key_lo, s1, qb, cb), key_columns(p, key_lo + 8, s1, qb, cb));
 #pragma unroll
@@ -1045,10 +1048,9 @@ __device__ __forceinline__ void attn_bwd_dkdv_tiles(const Params& p, const BwdMa
                     dp[nt][e] = s[nt][e] * (dp[nt][e] - (e & 1 ? d2.y : d2.x));
             }
             to_a_frags(dsf, dp);
-            gemm_pb_issue(dk, dsf, qt);  // dK += dS^T Q
-            tk::wgmma_wait_all();
+            gemm_pb_issue(dk, dsf, qt);  // dK += dS^T Q (waited for with the next S^T)
+            tk::wgmma_wait1();
             settle(dv, pf);
-            settle(dk, dsf);
             // dS^T for the dQ pass: the warp's 16 rows of its tile
             store_frag_rows(sDS, dsf, ds_tile(p, h, k0, seq, nb) + warp * 16 * BLOCK, BLOCK, 0, 16);
             if (refill && threadIdx.x < BLOCK) {  // read after the next iteration's barrier
@@ -1056,6 +1058,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_tiles(const Params& p, const BwdMa
                 sDl[(buf ^ 1) * BLOCK + threadIdx.x] = delta_next;
             }
         }
+        tk::wgmma_wait_all();
+        settle(dk, dsf);
         store_rows(sDS, p.dk + h * D, p.dk_stride, k0 + warp * 16, s1, dk, p.scale, p.scale);  // staged in the dS^T rows
         store_rows(sDS, p.dv + h * D, p.dv_stride, k0 + warp * 16, s1, dv, 1.f, 1.f, p.v_shift, p.v_half);
         if (!has_next) break;
