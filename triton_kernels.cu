@@ -1120,25 +1120,33 @@ __device__ __forceinline__ void attn_bwd_dq_pair(const Params& p, const DqMaps& 
     for (int nb = 0; nb < DQ_STAGES - 1; ++nb) load(nb);
     __syncthreads();  // the barriers initialized before anyone waits on them
 
+    // Each tile's product stays in flight while the next tile's is issued: the wait after an issue
+    // covers the one before, so the barrier, the next copies and the wait for the next stage run under
+    // an MMA. Only MMAs touch dq between the fences before the loop and after it (a fence in the loop
+    // would make ptxas serialize them).
     float dq[16][4] = {};
+    float* d = &dq[0][0];
+    tk::fence_regs<64>(d);
     for (int nb = 0; nb < nblocks; ++nb) {
         const int st = nb % DQ_STAGES, k0 = kb_first + nb * BLOCK;
         const uint32_t dst = sDS + (2 * st + wg) * DS_TILE_BYTES, kt = sK + st * TILE_BYTES;
         tk::mbar_wait(bars + 8 * st, (nb / DQ_STAGES) & 1);  // key tile nb has landed
-        __syncthreads();  // and every warp is done with tile nb - 1's stage (its MMA was waited for)
-        load(nb + DQ_STAGES - 1);
-        if (!sees(wg, k0)) continue;
-        float* d = &dq[0][0];
-        tk::fence_regs<64>(d);
-        tk::wgmma_fence();
-        const tk::DescBase a(dst, BLOCK * 128, 1024), b(kt, BLOCK * 128, 1024);
+        if (sees(wg, k0)) {
+            tk::wgmma_fence();
+            const tk::DescBase a(dst, BLOCK * 128, 1024), b(kt, BLOCK * 128, 1024);
 #pragma unroll
-        for (int ks = 0; ks < 4; ++ks)  // dQ += dS K: 16 keys a step, A = (dS^T)^T, B = K (rows = keys)
-            tk::wgmma_m64n128k16_ss<1>(d, a.at(ks * 2048), b.at(ks * 2048));
-        tk::wgmma_commit();
-        tk::wgmma_wait_all();
-        tk::fence_regs<64>(d);
+            for (int ks = 0; ks < 4; ++ks)  // dQ += dS K: 16 keys a step, A = (dS^T)^T, B = K (rows = keys)
+                tk::wgmma_m64n128k16_ss<1>(d, a.at(ks * 2048), b.at(ks * 2048));
+            tk::wgmma_commit();
+            tk::wgmma_wait1();  // tile nb - 1's product
+        } else {
+            tk::wgmma_wait_all();
+        }
+        __syncthreads();  // every warp is done with tile nb - 1's stage: the copies of tile nb + 2 go there
+        load(nb + DQ_STAGES - 1);
     }
+    tk::wgmma_wait_all();
+    tk::fence_regs<64>(d);
     // staged in the K slots (8 warps' 16 rows: 18 KB of their 48): every copy landed, and after the
     // barrier every warp has waited for its part of the last MMA (which may read them)
     __syncthreads();
