@@ -709,10 +709,11 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, const FwdMaps& ma
     const int h = blockIdx.y, col = h * D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const uint32_t sQ = tk::smem_u32(smem), kt = sQ + TILE_BYTES;
-    auto vslot = [&](int nb) { return sQ + (2 + (nb & 1)) * TILE_BYTES; };  // V of tile nb
-    // K of tile nb (Q with the first) arrives on bark (parity nb & 1), V of tile nb on barv + 8 (nb & 1)
-    // (parity (nb >> 1) & 1)
+    // K of tile nb (Q with the first) arrives on bark (parity nb & 1); V of tile nb in its slot, on
+    // barv + 8 (nb & 1) (parity (nb >> 1) & 1)
     const uint32_t bark = sQ + 4 * TILE_BYTES, barv = bark + 8;
+    auto vslot = [&](int nb) { return sQ + (2 + (nb & 1)) * TILE_BYTES; };
+    auto wait_v = [&](int nb) { tk::mbar_wait(barv + 8 * (nb & 1), (nb >> 1) & 1); };
 
     int kb_first, nblocks;
     key_blocks(p, s0, s1, q0, kb_first, nblocks);
@@ -735,10 +736,6 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, const FwdMaps& ma
     const int row_lo = q0 + warp * 16 + (lane >> 2);  // this thread's rows: row_lo, row_lo + 8
     const int cb = (lane & 3) * 2;                     // and its first column in each 8-column group
 
-    // Iteration nb issues S = Q K^T of tile nb, then P V of tile nb - 1, and waits for S alone: the
-    // softmax of tile nb runs while the tensor cores do the P V (FlashAttention 3's intra-warpgroup
-    // overlap). One slot takes K (tile nb + 1 is loaded there once every warp's S of tile nb is done),
-    // two take V (tile nb goes where tile nb - 2 was: its P V was waited for in iteration nb - 1).
     for (int nb = 0; nb < nblocks; ++nb) {
         const int k0 = kb_first + nb * BLOCK;
         tk::mbar_wait(bark, nb & 1);  // K of tile nb (and Q) has landed
@@ -752,7 +749,7 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, const FwdMaps& ma
         abt_mmas<true>(&s[0][0], sQ, kt);
         tk::wgmma_commit();
         if (nb > 0) {
-            tk::mbar_wait(barv + 8 * ((nb - 1) & 1), ((nb - 1) >> 1) & 1);  // V of tile nb - 1
+            wait_v(nb - 1);
             pb_mmas(o, pf, vslot(nb - 1));
             tk::wgmma_commit();
             tk::wgmma_wait1();  // S (the P V goes on)
@@ -835,9 +832,8 @@ __device__ __forceinline__ void attn_fwd_tile(const Params& p, const FwdMaps& ma
             for (int e = 0; e < 4; ++e) pf[kk][e] = pn[kk][e];
     }
     if (nblocks > 0) {  // the last tile's P V
-        const int nb = nblocks;
-        tk::mbar_wait(barv + 8 * ((nb - 1) & 1), ((nb - 1) >> 1) & 1);
-        gemm_pb_issue(o, pf, vslot(nb - 1));
+        wait_v(nblocks - 1);
+        gemm_pb_issue(o, pf, vslot(nblocks - 1));
         tk::wgmma_wait_all();
         settle(o, pf);
     }
