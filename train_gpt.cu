@@ -106,17 +106,6 @@ extern char** environ;
     X(BOOL, gemm_autotune, true,                                                                                    \
       "time each GEMM shape's cuBLASLt candidates on its first call (false: the heuristic's first choice)")         \
     X(I64, gemm_candidates, 8, "how many of cuBLASLt's heuristic candidates autotune times per GEMM shape (1-64)")  \
-    X(BOOL, fused_mlp, true, "the MLP's c_fc GEMM with ReLU^2 in its epilogue, and its backward's (false: cuBLASLt + a pass)") \
-    X(BOOL, mlp_tma_epilogue, false,                                                                                \
-      "the fused MLP GEMMs' tiles stored (and the backward's pre tile loaded) by TMA, not by the threads (same bits)") \
-    X(BOOL, mlp_wide_forward, true,                                                                                 \
-      "the MLP's fused forward GEMM on 128 x 256 tiles, its epilogue in warps of its own (same bits; before the TMA epilogue)") \
-    X(BOOL, mlp_wide_backward, true,                                                                                \
-      "the MLP's fused backward GEMM on those tiles, its pre fetched into the staging during the MMAs (same bits)") \
-    X(BOOL, overlap_wgrad, true,                                                                                    \
-      "the backward's weight-gradient GEMMs on a second stream, beside the data gradients (not while profiling)")  \
-    X(BOOL, fused_lm_head_loss, false,                                                                              \
-      "training's lm_head GEMM (ours, not cuBLASLt's) sums each row's exp(softcap(logit)) in its epilogue; the loss pass then reads no logits") \
     X(I64, logit_chunk_rows, 8192, "rows of logits the lm_head makes and the loss consumes at a time (a multiple of 16)") \
     /* attention masking (windows in blocks of block_size tokens) */                                                \
     X(I64, block_size, 128, "attention window unit in tokens")                                                      \
@@ -2085,12 +2074,10 @@ class Model {
         gf8_ = alloc<uint8_t>((int64_t)logit_rows_ * V), gf8t_ = alloc<uint8_t>((int64_t)logit_rows_ * V);
         lm_grad_ = alloc<float>(V * D);
         losses_ = alloc<float>(TE), lse_ = alloc<float>(logit_rows_), loss_ = alloc<float>(1), bad_ = alloc<int>(1);
-        if (args.fused_lm_head_loss) lse_parts_ = alloc<float>((int64_t)logit_rows_ * lm_head_loss_parts(V));
         // backward workspaces
         dx_ = bf(T * D), dx0_ = bf(T * D), dskip_ = bf(T * D), dback_ = bf(T * D), dxn_ = bf(T * D);
         dy_ = bf(T * D), dyg_ = bf(T * D), dq_ = bf(T * D), dk_ = bf(T * D), dqkv_ = bf(T * 3 * D);
         dpre_ = bf(T * 4 * D), dxn_head_ = bf(T * D), demb_ = bf(T * D);
-        dpost_ = args.fused_mlp ? nullptr : bf(T * 4 * D);  // the fused backward never stores dpost
         for (auto& v : dve_) v = bf(T * D);
         dw_ = alloc<float>(3 * D * D), delta_ = alloc<float>(NUM_HEADS * 2 * T);
         // the gates' dz (and dlam_rows), one slot a gate: the deferred sums read them at the backward's end
@@ -2112,7 +2099,7 @@ class Model {
     Model(const Model&) = delete;
     Model& operator=(const Model&) = delete;
 
-    // --overlap_wgrad: the weight-gradient GEMMs (the lm_head's, each layer's c_proj, c_fc, O and QKV)
+    // Overlap: the weight-gradient GEMMs (the lm_head's, each layer's c_proj, c_fc, O and QKV)
     // on a second stream, beside the data-gradient chain that does not need them, so that one's
     // tails, split-k reductions and the elementwise passes share the SMs with the other's tiles. The
     // same kernels on the same operands: the same bits. The trainer turns it on after the warmup (the
@@ -2182,15 +2169,9 @@ class Model {
             // MLP: x += relu(norm(x) c_fc^T)^2 c_proj (ReLU^2: arXiv 2109.08668, suggested by @SKYLINEZ007 and
             // @Grad62304977)
             if (attn) CUDA_CHECK(rms_norm_forward(l.x_attn, D, l.xn_m, D, l.rstd_m, T, D, RMS_NORM_EPS, s));
-            if (args_.fused_mlp) {
-                fused_gemm_mark(T, 4 * D, D, s);
-                CUDA_CHECK(linear_relu_square_forward(l.xn_m, c_fc(i), T, 4 * D, D, l.pre, l.post, s, args_.mlp_tma_epilogue,
-                                                      args_.mlp_wide_forward));
-                profile_mark(Part::Elementwise, s);
-            } else {
-                gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, l.xn_m, D, c_fc(i), D, l.pre, 4 * D, false);
-                CUDA_CHECK(relu_square_forward(l.pre, l.post, (int64_t)T * 4 * D, s));
-            }
+            fused_gemm_mark(T, 4 * D, D, s);
+            CUDA_CHECK(linear_relu_square_forward(l.xn_m, c_fc(i), T, 4 * D, D, l.pre, l.post, s));
+            profile_mark(Part::Elementwise, s);
             __nv_bfloat16* out = i + 1 < NUM_LAYERS ? layer(i + 1).x_in : x_last_;
             gemms_.bf16(s, Op::N, Op::N, T, D, 4 * D, l.post, 4 * D, c_proj(i), D, out, D, false, 1.f, 1.f, l.x_attn);
             x = out;
@@ -2227,15 +2208,9 @@ class Model {
             gemms_.bf16(side(s), Op::T, Op::N, 4 * D, D, T, l.post, 4 * D, dx_, D, c_proj_grad(i), D, false, 1.f, 1.f);
             side_mark(ev_cproj_);
             side_wait(ev_cfc_, s);  // dpre: the layer above's c_fc weight gradient has read it
-            if (args_.fused_mlp) {
-                fused_gemm_mark(T, 4 * D, D, s);
-                CUDA_CHECK(linear_relu_square_backward(dx_, c_proj(i), T, 4 * D, D, l.pre, dpre_, s, args_.mlp_tma_epilogue,
-                                                       args_.mlp_wide_backward));
-                profile_mark(Part::Elementwise, s);
-            } else {
-                gemms_.bf16(s, Op::N, Op::T, T, 4 * D, D, dx_, D, c_proj(i), D, dpost_, 4 * D, false);
-                CUDA_CHECK(relu_square_backward(l.pre, dpost_, dpre_, (int64_t)T * 4 * D, s));
-            }
+            fused_gemm_mark(T, 4 * D, D, s);
+            CUDA_CHECK(linear_relu_square_backward(dx_, c_proj(i), T, 4 * D, D, l.pre, dpre_, s));
+            profile_mark(Part::Elementwise, s);
             gemms_.bf16(side(s), Op::T, Op::N, 4 * D, D, T, dpre_, 4 * D, l.xn_m, D, c_fc_grad(i), D, false, 1.f, 1.f);
             side_mark(ev_cfc_);
             gemms_.bf16(s, Op::N, Op::N, T, D, 4 * D, dpre_, 4 * D, c_fc(i), D, dxn_, D, false);
@@ -2322,7 +2297,7 @@ class Model {
     const __nv_bfloat16* ve_gate_w(int i) { return bf(p_["ve_gate_bank"].data) + ve_gate_slot(i) * NUM_HEADS * gate::GW; }
     __nv_bfloat16* ve_gate_grad(int i) { return bf(p_["ve_gate_bank"].grad) + ve_gate_slot(i) * NUM_HEADS * gate::GW; }
 
-    // --overlap_wgrad's streams: side(s) is the stream for work that may run beside s from this point
+    // The overlap's streams: side(s) is the stream for work that may run beside s from this point
     // on (s itself when not overlapping); side_mark(e) marks the side stream's work so far as e,
     // side_wait(e, s) makes s wait for it (before s rewrites what that work reads), side_join(s) for all
     bool overlapping() const { return overlap_ && !g_profiler; }
@@ -2499,7 +2474,6 @@ class Model {
                 CUDA_CHECK(cast_to_fp8(lm_head, V, wf8_, V, D, V, (float)args_.lm_head_w_s, false, false, s));
             }
         }
-        const bool fused_loss = training && args_.fused_lm_head_loss;
         for (int r0 = 0; r0 < T; r0 += logit_rows_) {
             const int rows = std::min(logit_rows_, T - r0);
             ce::Params cp{};
@@ -2511,18 +2485,13 @@ class Model {
             cp.a = (float)args_.softcap_a, cp.b = (float)args_.softcap_b, cp.c = (float)args_.softcap_c;
             cp.losses = losses_ + r0;
             cp.lse = training ? lse_ : nullptr, cp.grad_scale = fa_.loss_scale, cp.fast_softcap = training;
-            if (fused_loss)
-                CUDA_CHECK(lm_head_logits_fp8(xf8_ + (int64_t)r0 * D, wf8t_, rows, V, D,
-                                              (float)args_.lm_head_x_s * (float)args_.lm_head_w_s, cp, logits_,
-                                              lse_parts_, lm_head_loss_parts(V), s));
-            else if (training)
+            if (training)
                 gemms_.fp8(s, rows, V, D, xf8_ + (int64_t)r0 * D, CUDA_R_8F_E4M3, D, wf8t_, CUDA_R_8F_E4M3, D, logits_, V,
                            false, scales_[0], scales_[1], true);
             else
                 gemms_.bf16(s, Op::N, Op::N, rows, V, D, xn_ + (int64_t)r0 * D, D, lm_head, V, logits_, V, false);
             profile_mark(Part::Loss, s);
-            if (fused_loss) CUDA_CHECK(softcapped_ce_from_partials(cp, lse_parts_, lm_head_loss_parts(V), s));
-            else CUDA_CHECK(softcapped_cross_entropy(cp, s));
+            CUDA_CHECK(softcapped_cross_entropy(cp, s));
             if (training) {  // the gradient of the logits, e5m2, in the two layouts of the GEMMs below
                 side_wait(ev_head_, s);  // (the last chunk's weight gradient has read g^T)
                 CUDA_CHECK(softcapped_ce_grad_fp8(cp, gf8_, V, gf8t_, rows, (float)args_.lm_head_grad_s, s));
@@ -2573,7 +2542,6 @@ class Model {
     int rope_positions_ = 0;
     std::vector<float> rope_freq_;
     float *rstd0_, *rstd_f_, *losses_, *lse_, *loss_, *lm_grad_, *scales_[3];  // x_s, w_s, grad_s
-    float* lse_parts_ = nullptr;  // --fused_lm_head_loss: each row's sums of exp(softcap) per 128 logits
     int* bad_;  // the first layer whose output was not finite, or -1
     // attention's tile schedules, one per head layout and window (schedule_slot): the forward makes
     // each where a layer first needs it, the backward reuses them
@@ -2585,7 +2553,7 @@ class Model {
     size_t ds_bytes_ = 0;
     int max_window_ = 0;
     uint8_t *xf8_, *xf8t_, *wf8t_, *wf8_, *gf8_, *gf8t_;
-    __nv_bfloat16 *dx_, *dx0_, *dskip_, *dback_, *dxn_, *dy_, *dyg_, *dq_, *dk_, *dqkv_, *dpost_, *dpre_,
+    __nv_bfloat16 *dx_, *dx0_, *dskip_, *dback_, *dxn_, *dy_, *dyg_, *dq_, *dk_, *dqkv_, *dpre_,
         *dxn_head_, *demb_, *dve_[NUM_VALUE_EMBEDS];
     float *dw_, *delta_, *dz_, *dz_ve_, *dz_rows_, *dlam_rows_;  // dz_rows_, dlam_rows_: skip's, then smear's
     bool dve_written_[NUM_VALUE_EMBEDS] = {};  // the backward so far wrote dve_[k]
@@ -3269,6 +3237,194 @@ class TrainingManager {
 };
 
 // -----------------------------------------------------------------------------
+// main: the record's script. What it calls from the harness is declared here, defined below the line.
+
+// where a run stands, as a checkpoint keeps it
+struct RunState {
+    std::string configuration, gemm_plan;
+    int64_t steps_done = 0;
+    double training_time_ms = 0;
+};
+
+#ifndef TRAIN_GPT_NO_MAIN
+// The processes of a run: MPI ranks, one GPU each (by rank within the node), NCCL over them.
+struct Distributed {
+    int rank = 0, world_size = 1;
+    MPI_Comm node_comm = MPI_COMM_NULL;
+    ncclComm_t comm = nullptr;  // none at world size 1
+};
+
+struct CheckpointHeader;
+// A run's resolved inputs: the configuration, where the data is, and what a --rerun log or a
+// --resume checkpoint brings (the GEMM plan to follow; the state to continue from)
+struct RunSetup {
+    Hyperparameters args;
+    std::string data_path, gemm_plan, resume_path;
+    std::shared_ptr<const CheckpointHeader> resume_header;
+};
+
+class LoopProfiler;
+class RunHarness {  // the training loop's clock, step lines, profiler, checkpoints and --resume
+   public:
+    RunHarness(const Hyperparameters& args, const RunSetup& setup, const std::string& configuration,
+               const std::string& gemm_plan, ParamStore& params, NorMuonAndAdam& opt, TrainingManager& tm,
+               DistributedDataGenerator& loader, const Distributed& dist, cudaStream_t stream);
+    ~RunHarness();
+    int64_t first_step() const { return first_step_; }
+    bool stopped() const { return stopped_; }                  // by SIGINT/SIGTERM, after a checkpoint
+    void stop_clock();                                         // for validation
+    void log_validation(int64_t step, double val_loss);        // and the clock again
+    void checkpoint(int64_t steps_done);                       // off the clock
+    void timed_step(int64_t step, const std::function<void()>& train_step);
+    void finish();
+
+   private:
+    double elapsed_ms() const;
+    void start_clock();
+    const Hyperparameters& args_;
+    ParamStore& params_;
+    NorMuonAndAdam& opt_;
+    TrainingManager& tm_;
+    DistributedDataGenerator& loader_;
+    const Distributed& dist_;
+    cudaStream_t stream_;
+    std::unique_ptr<LoopProfiler> profiler_;
+    RunState rs_;
+    std::string last_checkpoint_;
+    double training_time_ms_ = 0, clock_at_start_ = 0;
+    int64_t first_step_ = 0;
+    bool stopped_ = false;
+    std::chrono::steady_clock::time_point t0_;
+};
+
+static int run_tool(const std::vector<std::string>& cli);
+static Distributed init_distributed(int& argc, char**& argv);
+static RunSetup resolve_configuration(const std::vector<std::string>& cli, const Distributed& dist);
+static void init_devices(Distributed& d);
+static std::string open_log(Hyperparameters& args, const Distributed& d, const std::string& data_path, int argc,
+                            char** argv);
+static void use_given_plan(Gemms& gemms, const std::string& given_plan);
+static std::string settle_gemm_plan(Gemms& gemms, const std::string& given_plan, int world_size);
+static double peak_mib();
+static void finalize_distributed(Distributed& d);
+
+// The record's script: set up, warm up and reset, then train and validate. What it calls from the
+// harness (configuration, log, GEMM plan, clock, checkpoints; below the line) leaves the math alone.
+static int trainer_main(int argc, char** argv) {
+    const std::vector<std::string> cli(argv + 1, argv + argc);
+    const int tool_rc = run_tool(cli);  // --help, --print-source, --diff-logs
+    if (tool_rc >= 0) return tool_rc;
+    Distributed dist = init_distributed(argc, argv);
+    const int world_size = dist.world_size, grad_accum_steps = 8 / world_size;
+    RunSetup setup = resolve_configuration(cli, dist);  // every input checked before any GPU work
+    const Hyperparameters& args = setup.args;
+    init_devices(dist);
+    const std::string configuration = open_log(setup.args, dist, setup.data_path, argc, argv);
+
+    // The model's parameters from the seed, the model, the optimizer, the training manager
+    ParamStore params(world_size, args.seed);
+    print0(strprintf("parameters: %lld in %zu banks, %.1f MiB with gradients", (long long)params.count(),
+                     model_params(world_size).size(), params.bytes() / 1048576.0), true);
+    int64_t capacity = args.train_bs_extension;  // the largest training micro-batch of a rank
+    for (int64_t bs : args.train_bs_schedule) capacity = std::max(capacity, bs);
+    capacity /= 8;
+    const int64_t eval_local = args.val_batch_size / 8, max_local = std::max(capacity, eval_local);
+    const int max_cu = (int)max_num_docs_of(max_local);
+    Gemms gemms(args.gemm_autotune, (int)args.gemm_candidates);
+    use_given_plan(gemms, setup.gemm_plan);
+    Model model(params, gemms, args, (int)capacity, (int)eval_local, max_cu, (int)max_num_docs_of(capacity));
+    NorMuonAndAdam optimizer(params, gemms, args, world_size, dist.rank, dist.comm);
+    params.save_initial_state();  // restored after the warmup
+    cudaStream_t stream;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    TrainingManager training_manager(args, model, optimizer, grad_accum_steps, max_local, max_cu, stream);
+    peak_mib();
+    LoaderOptions train_opt, val_opt;
+    train_opt.cycle = args.cycle_data, train_opt.capacity_tokens = capacity;
+    val_opt.align_to_bos = false, val_opt.capacity_tokens = eval_local;
+    auto train_loader = [&] {
+        return std::make_unique<DistributedDataGenerator>(join_data_path(setup.data_path, args.train_files),
+                                                          BatchSize{get_bs(args, 0), args.train_max_seq_len, grad_accum_steps},
+                                                          dist.rank, world_size, train_opt);
+    };
+    auto val_loader = [&] {
+        return std::make_unique<DistributedDataGenerator>(join_data_path(setup.data_path, args.val_files),
+                                                          BatchSize{args.val_batch_size, -1, grad_accum_steps}, dist.rank,
+                                                          world_size, val_opt);
+    };
+
+    // Warmup: the sampled steps, untimed, then back to the initial state (the record warms up its
+    // compiled kernels this way; here it also proves every shape runs and tunes the GEMMs)
+    {
+        auto warmup_loader = train_loader();
+        std::string list;
+        for (int64_t st : training_manager.warmup_steps) list += (list.empty() ? "" : ",") + std::to_string(st);
+        print0("warmup steps " + list, true);
+        for (int64_t step : training_manager.warmup_steps) {
+            try {
+                training_manager.advance_schedule(step, *warmup_loader);
+                training_manager.forward_batch(*val_loader(), false);  // the first validation batch suffices
+                training_manager.train_step(step, *warmup_loader);
+            } catch (const TrainerError& e) {
+                throw TrainerError(strprintf("%s (in the warmup, at its step %lld)", e.what(), (long long)step));
+            }
+        }
+    }
+    const std::string gemm_plan = settle_gemm_plan(gemms, setup.gemm_plan, world_size);
+    print0("resetting the model", true);
+    model.set_overlap(true);  // after the GEMM tuning, which times each shape alone
+    params.load_initial_state(stream);
+    training_manager.reset();
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+
+    // Training and validation (the record's loop; the clock stops for validation and checkpoints)
+    auto loader = train_loader();
+    const int64_t train_steps = args.num_iterations();
+    RunHarness run(args, setup, configuration, gemm_plan, params, optimizer, training_manager, *loader, dist, stream);
+    for (int64_t step = run.first_step(); step <= train_steps; ++step) {
+        const bool last_step = step == train_steps;
+        training_manager.advance_schedule(step, *loader);
+        if (last_step || (args.val_loss_every > 0 && step % args.val_loss_every == 0)) {
+            if (last_step) training_manager.apply_final_ws_ext();
+            run.stop_clock();
+            const int64_t val_steps = grad_accum_steps * args.val_tokens / args.val_batch_size;
+            auto val = val_loader();
+            double val_loss = 0;
+            for (int64_t v = 0; v < val_steps; ++v) val_loss += training_manager.forward_batch(*val, false);
+            val_loss /= val_steps;
+            MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &val_loss, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+            run.log_validation(step, val_loss / world_size);  // the mean over the ranks' tokens; the clock again
+        }
+        if (last_step) {
+            if (args.save_checkpoint) run.checkpoint(step);
+            break;  // the last step only validates
+        }
+        run.timed_step(step, [&] { training_manager.train_step(step, *loader); });
+        if (run.stopped()) break;  // SIGINT/SIGTERM: after a checkpoint
+    }
+    run.finish();
+
+    CUDA_CHECK(cudaStreamDestroy(stream));
+    if (g_logfile) fclose(g_logfile);
+    finalize_distributed(dist);
+    return 0;
+}
+
+int main(int argc, char** argv) {
+    try {
+        return trainer_main(argc, argv);
+    } catch (const std::exception& e) {
+        fatal(e.what());
+    }
+}
+#endif  // TRAIN_GPT_NO_MAIN
+
+// =============================================================================================
+// THE HARNESS. Below this line: what a record never edits (logs and --diff-logs, --rerun and
+// --resume, checkpoints, the flags' machinery, main's setup and clock).
+// =============================================================================================
+
+// -----------------------------------------------------------------------------
 // Self-logging. The two sources are embedded at build time (TRAIN_GPT_SRC_DIR is set by the
 // Makefile), so a log always holds the code that actually ran.
 
@@ -3906,11 +4062,6 @@ static std::string download(const void* dev, size_t bytes) {
 static void upload(void* dev, const std::string& h) { CUDA_CHECK(cudaMemcpy(dev, h.data(), h.size(), cudaMemcpyHostToDevice)); }
 
 // What a checkpoint holds besides the model, as the trainer passes it in.
-struct RunState {
-    std::string configuration, gemm_plan;
-    int64_t steps_done = 0;
-    double training_time_ms = 0;
-};
 
 // Writes logs/<run_id>/state_stepNNNNNN.bin (NNNNNN: steps done) at a step boundary: every rank
 // sends its own blobs (its gradients, optimizer shards and data position) to rank 0, which writes
@@ -4033,15 +4184,9 @@ static void print_help() {
 }
 
 // -----------------------------------------------------------------------------
-// int main
+// main's harness: the processes, the log, the configuration, the GEMM plan, the loop's clock
 
 #ifndef TRAIN_GPT_NO_MAIN
-// The processes of a run: MPI ranks, one GPU each (by rank within the node), NCCL over them.
-struct Distributed {
-    int rank = 0, world_size = 1;
-    MPI_Comm node_comm = MPI_COMM_NULL;
-    ncclComm_t comm = nullptr;  // none at world size 1
-};
 
 static Distributed init_distributed(int& argc, char**& argv) {
     Distributed d;
@@ -4112,8 +4257,9 @@ static double peak_mib() {
 // the process's start, for the log's "launch to the first training step" (static: set before main)
 static const auto g_launch_time = std::chrono::steady_clock::now();
 
-static int trainer_main(int argc, char** argv) {
-    std::vector<std::string> cli(argv + 1, argv + argc);
+// The trainer's own commands, which need no MPI, GPU or data: --help, --print-source, --diff-logs.
+// Returns the exit status, or -1 for a training run.
+static int run_tool(const std::vector<std::string>& cli) {
     // under mpirun, the commands that only print run on rank 0 alone
     const char* launcher_rank = getenv("OMPI_COMM_WORLD_RANK");
     const bool print_rank = !launcher_rank || std::string(launcher_rank) == "0";
@@ -4134,20 +4280,20 @@ static int trainer_main(int argc, char** argv) {
             return 2;
         }
     }
-    Distributed dist = init_distributed(argc, argv);
-    const int world_size = dist.world_size, grad_accum_steps = 8 / world_size;
+    return -1;
+}
 
-    // The configuration: the flags, or a log's (--rerun LOG) or a checkpoint's (--resume PATH) with
-    // the flags after it on top. Every rank checks it and the data; on an error rank 0 alone says
-    // why and all ranks stop.
-    Hyperparameters args;
-    std::string data_path, given_plan, resume_path;
-    CheckpointHeader resume_header;
+// The configuration: the flags, or a log's (--rerun LOG) or a checkpoint's (--resume PATH) with the
+// flags after it on top. Every rank checks it and the data; on an error rank 0 alone says why and
+// all ranks stop.
+static RunSetup resolve_configuration(const std::vector<std::string>& cli, const Distributed& dist) {
+    const int world_size = dist.world_size;
+    RunSetup r;
     std::string setup_error;
     try {
         std::vector<std::string> flags = cli;
         const char* dp = getenv("DATA_PATH");
-        data_path = dp ? dp : ".";
+        r.data_path = dp ? dp : ".";
         if (!cli.empty() && (cli[0] == "--rerun" || cli[0] == "--resume")) {
             if (cli.size() < 2) fail("usage: ./train_gpt " + cli[0] + (cli[0] == "--rerun" ? " LOG" : " CHECKPOINT") + " [flags]");
             LoggedRun run;
@@ -4159,33 +4305,33 @@ static int trainer_main(int argc, char** argv) {
                          "code to rerun it");
                 check_logged_configuration(lp.configuration, cli[1], lp.configuration_line, run);
                 if (lp.gemm_plan.empty()) fail(cli[1] + " has no GEMM plan (the run ended before its warmup did)");
-                given_plan = lp.gemm_plan;
+                r.gemm_plan = lp.gemm_plan;
             } else {
-                resume_path = cli[1];
-                resume_header = read_checkpoint_header(resume_path);
-                std::map<std::string, std::string> texts = read_checkpoint_texts(resume_path, resume_header);
-                run = parse_logged_configuration(texts.at("config"), resume_path + " (its configuration)", 1);
-                given_plan = texts.at("gemm_plan");
-                if (resume_header.world_size != world_size)
-                    fail(strprintf("%s was written at world size %d; run it on %d ranks", resume_path.c_str(),
-                                   resume_header.world_size, resume_header.world_size));
-                if (resume_header.source_hash != hash_text(source_block()) &&
-                    dist.rank == 0)
-                    printf("note: %s was written by other sources than this binary's\n", resume_path.c_str());
+                r.resume_path = cli[1];
+                auto header = std::make_shared<CheckpointHeader>(read_checkpoint_header(r.resume_path));
+                r.resume_header = header;
+                std::map<std::string, std::string> texts = read_checkpoint_texts(r.resume_path, *header);
+                run = parse_logged_configuration(texts.at("config"), r.resume_path + " (its configuration)", 1);
+                r.gemm_plan = texts.at("gemm_plan");
+                if (header->world_size != world_size)
+                    fail(strprintf("%s was written at world size %d; run it on %d ranks", r.resume_path.c_str(),
+                                   header->world_size, header->world_size));
+                if (header->source_hash != hash_text(source_block()) && dist.rank == 0)
+                    printf("note: %s was written by other sources than this binary's\n", r.resume_path.c_str());
             }
             if (run.world_size != world_size)
                 fail(strprintf("%s ran at world size %d; this run has %d ranks", cli[1].c_str(), run.world_size, world_size));
-            args = run.args;
-            if (!dp) data_path = run.data_path;
+            r.args = run.args;
+            if (!dp) r.data_path = run.data_path;
             flags.erase(flags.begin(), flags.begin() + 2);
         }
-        parse_args(args, flags);
-        validate_args(args, world_size);
-        for (const std::string& files : {args.train_files, args.val_files}) {
+        parse_args(r.args, flags);
+        validate_args(r.args, world_size);
+        for (const std::string& files : {r.args.train_files, r.args.val_files}) {
             try {
-                list_files(join_data_path(data_path, files));
+                list_files(join_data_path(r.data_path, files));
             } catch (const TrainerError& e) {
-                fail(std::string(e.what()) + " (DATA_PATH=" + data_path + "; the FineWeb shards: python3 "
+                fail(std::string(e.what()) + " (DATA_PATH=" + r.data_path + "; the FineWeb shards: python3 "
                      "data/cached_fineweb10B.py 8; or point --train_files / --val_files / DATA_PATH at your shards)");
             }
         }
@@ -4206,76 +4352,32 @@ static int trainer_main(int argc, char** argv) {
     if (any_failed) {
         if (dist.rank == first_failed) fprintf(stderr, "error: %s\n", setup_error.c_str());
         MPI_CHECK(MPI_Finalize());
-        return 1;
+        exit(1);
     }
-    init_devices(dist);
-    const std::string configuration = open_log(args, dist, data_path, argc, argv);
+    return r;
+}
 
-    // The model's parameters from the seed, the model, the optimizer, the training manager
-    ParamStore params(world_size, args.seed);
-    print0(strprintf("parameters: %lld in %zu banks, %.1f MiB with gradients", (long long)params.count(),
-                     model_params(world_size).size(), params.bytes() / 1048576.0), true);
-    int64_t capacity = args.train_bs_extension;  // the largest training micro-batch of a rank
-    for (int64_t bs : args.train_bs_schedule) capacity = std::max(capacity, bs);
-    capacity /= 8;
-    const int64_t eval_local = args.val_batch_size / 8, max_local = std::max(capacity, eval_local);
-    const int max_cu = (int)max_num_docs_of(max_local);
-    Gemms gemms(args.gemm_autotune, (int)args.gemm_candidates);
-    const std::string plan_for = gemm_plan_device();
-    // a plan's lines after its first, which names the machine it was made for
-    auto plan_body = [](const std::string& plan) {
-        const size_t nl = plan.find('\n');
-        return nl == std::string::npos ? std::string() : plan.substr(nl + 1);
-    };
-    if (!given_plan.empty()) {  // the logged plan, on the machine it was made for
-        const std::string first = given_plan.substr(0, given_plan.find('\n'));
-        if (first != plan_for)
-            fail("the GEMM plan was made for another GPU or library: '" + first + "'; this machine: '" + plan_for +
-                 "' (run with flags instead of --rerun/--resume to tune again)");
-        gemms.set_plan(plan_body(given_plan));
-    }
-    Model model(params, gemms, args, (int)capacity, (int)eval_local, max_cu, (int)max_num_docs_of(capacity));
-    NorMuonAndAdam optimizer(params, gemms, args, world_size, dist.rank, dist.comm);
-    params.save_initial_state();  // restored after the warmup
-    cudaStream_t stream;
-    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    TrainingManager training_manager(args, model, optimizer, grad_accum_steps, max_local, max_cu, stream);
-    peak_mib();
-    LoaderOptions train_opt, val_opt;
-    train_opt.cycle = args.cycle_data, train_opt.capacity_tokens = capacity;
-    val_opt.align_to_bos = false, val_opt.capacity_tokens = eval_local;
-    auto train_loader = [&] {
-        return std::make_unique<DistributedDataGenerator>(join_data_path(data_path, args.train_files),
-                                                          BatchSize{get_bs(args, 0), args.train_max_seq_len, grad_accum_steps},
-                                                          dist.rank, world_size, train_opt);
-    };
-    auto val_loader = [&] {
-        return std::make_unique<DistributedDataGenerator>(join_data_path(data_path, args.val_files),
-                                                          BatchSize{args.val_batch_size, -1, grad_accum_steps}, dist.rank,
-                                                          world_size, val_opt);
-    };
+// a plan's lines after its first, which names the machine it was made for
+static std::string plan_body(const std::string& plan) {
+    const size_t nl = plan.find('\n');
+    return nl == std::string::npos ? std::string() : plan.substr(nl + 1);
+}
 
-    // Warmup: the sampled steps, untimed, then back to the initial state (the record warms up its
-    // compiled kernels this way; here it also proves every shape runs and tunes the GEMMs)
-    {
-        auto warmup_loader = train_loader();
-        std::string list;
-        for (int64_t st : training_manager.warmup_steps) list += (list.empty() ? "" : ",") + std::to_string(st);
-        print0("warmup steps " + list, true);
-        for (int64_t step : training_manager.warmup_steps) {
-            try {
-                training_manager.advance_schedule(step, *warmup_loader);
-                training_manager.forward_batch(*val_loader(), false);  // the first validation batch suffices
-                training_manager.train_step(step, *warmup_loader);
-            } catch (const TrainerError& e) {
-                throw TrainerError(strprintf("%s (in the warmup, at its step %lld)", e.what(), (long long)step));
-            }
-        }
-    }
-    // the GEMM plan from here on, in the log (a rerun or a resumed run follows it); several ranks
-    // all take rank 0's
+// A --rerun log's or a checkpoint's GEMM plan, on the machine it was made for (none given: tune)
+static void use_given_plan(Gemms& gemms, const std::string& given_plan) {
+    if (given_plan.empty()) return;
+    const std::string first = given_plan.substr(0, given_plan.find('\n')), plan_for = gemm_plan_device();
+    if (first != plan_for)
+        fail("the GEMM plan was made for another GPU or library: '" + first + "'; this machine: '" + plan_for +
+             "' (run with flags instead of --rerun/--resume to tune again)");
+    gemms.set_plan(plan_body(given_plan));
+}
+
+// After the warmup: the GEMM plan from here on, in the log (a rerun or a resumed run follows it);
+// several ranks all take rank 0's.
+static std::string settle_gemm_plan(Gemms& gemms, const std::string& given_plan, int world_size) {
     gemms.freeze();
-    std::string gemm_plan = given_plan.empty() ? plan_for + "\n" + gemms.plan_text() : given_plan;
+    std::string gemm_plan = given_plan.empty() ? gemm_plan_device() + "\n" + gemms.plan_text() : given_plan;
     if (world_size > 1) {
         uint64_t n = gemm_plan.size();
         MPI_CHECK(MPI_Bcast(&n, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD));
@@ -4289,119 +4391,108 @@ static int trainer_main(int argc, char** argv) {
                          gemms.unplanned_shapes()), true);
     print0("# gemm plan\n" + gemm_plan + "# end gemm plan");
     peak_mib();
-    print0("resetting the model", true);
-    model.set_overlap(args.overlap_wgrad);  // after the GEMM tuning, which times each shape alone
-    params.load_initial_state(stream);
-    training_manager.reset();
-    CUDA_CHECK(cudaStreamSynchronize(stream));
+    return gemm_plan;
+}
 
-    // Training and validation (the record's loop; the clock stops for validation and checkpoints)
-    LoopProfiler profiler;
-    auto loader = train_loader();
-    const int64_t train_steps = args.num_iterations();
-    RunState rs;
-    rs.configuration = configuration, rs.gemm_plan = gemm_plan;
-    std::string last_checkpoint;
-    if (!resume_path.empty()) {
-        const RunState from = load_checkpoint(resume_path, resume_header, params, optimizer, training_manager, *loader,
-                                              dist.rank, world_size);
-        rs.steps_done = from.steps_done, rs.training_time_ms = from.training_time_ms;
-        last_checkpoint = resume_path;
-        print0(strprintf("resumed from %s: %lld steps done", resume_path.c_str(), (long long)rs.steps_done), true);
-        if (rs.steps_done > train_steps) fail("the checkpoint is past the end of this schedule");
+// The training loop's harness: the clock (stopped for validation and checkpoints), the step lines,
+// the profiler, checkpoints (every N steps, at the end, on SIGINT/SIGTERM) and --resume.
+RunHarness::RunHarness(const Hyperparameters& args, const RunSetup& setup, const std::string& configuration,
+                       const std::string& gemm_plan, ParamStore& params, NorMuonAndAdam& opt, TrainingManager& tm,
+                       DistributedDataGenerator& loader, const Distributed& dist, cudaStream_t stream)
+    : args_(args), params_(params), opt_(opt), tm_(tm), loader_(loader), dist_(dist), stream_(stream),
+      profiler_(std::make_unique<LoopProfiler>()) {
+    rs_.configuration = configuration, rs_.gemm_plan = gemm_plan;
+    if (!setup.resume_path.empty()) {
+        const RunState from = load_checkpoint(setup.resume_path, *setup.resume_header, params, opt, tm, loader, dist.rank,
+                                              dist.world_size);
+        rs_.steps_done = from.steps_done, rs_.training_time_ms = from.training_time_ms;
+        last_checkpoint_ = setup.resume_path;
+        print0(strprintf("resumed from %s: %lld steps done", setup.resume_path.c_str(), (long long)rs_.steps_done), true);
+        if (rs_.steps_done > args.num_iterations()) fail("the checkpoint is past the end of this schedule");
     }
     signal(SIGINT, on_stop_signal);
     signal(SIGTERM, on_stop_signal);
-    double training_time_ms = rs.training_time_ms;
-    const double clock_at_start = rs.training_time_ms;
-    const int64_t first_step = rs.steps_done;
+    training_time_ms_ = clock_at_start_ = rs_.training_time_ms;
+    first_step_ = rs_.steps_done;
     CUDA_CHECK(cudaDeviceSynchronize());
-    auto t0 = std::chrono::steady_clock::now();
+    t0_ = std::chrono::steady_clock::now();
     print0(strprintf("launch to the first training step: %.1f s (CUDA, NCCL, data, warmup with its GEMM tuning)",
-                     std::chrono::duration<double>(t0 - g_launch_time).count()), true);
-    auto elapsed_ms = [&] { return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(); };
-    auto checkpoint = [&](int64_t steps_done) {  // off the clock
-        CUDA_CHECK(cudaDeviceSynchronize());
-        training_time_ms += elapsed_ms();
-        rs.steps_done = steps_done, rs.training_time_ms = training_time_ms;
-        last_checkpoint = save_checkpoint(args, params, optimizer, training_manager, *loader, rs, dist.rank, world_size);
-        print0("checkpoint " + last_checkpoint, true);
-        t0 = std::chrono::steady_clock::now();
-    };
-    for (int64_t step = first_step; step <= train_steps; ++step) {
-        const bool last_step = step == train_steps;
-        training_manager.advance_schedule(step, *loader);
-        if (last_step || (args.val_loss_every > 0 && step % args.val_loss_every == 0)) {
-            if (last_step) training_manager.apply_final_ws_ext();
-            CUDA_CHECK(cudaDeviceSynchronize());  // stop the clock
-            training_time_ms += elapsed_ms();
-            const int64_t val_steps = grad_accum_steps * args.val_tokens / args.val_batch_size;
-            auto val = val_loader();
-            double val_loss = 0;
-            for (int64_t v = 0; v < val_steps; ++v) val_loss += training_manager.forward_batch(*val, false);
-            val_loss /= val_steps;
-            MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &val_loss, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
-            val_loss /= world_size;  // the mean over the ranks' validation tokens
-            print0(strprintf("step:%lld/%lld val_loss:%.4f train_time:%.0fms step_avg:%.2fms", (long long)step,
-                             (long long)train_steps, val_loss, training_time_ms,
-                             training_time_ms / std::max<int64_t>(step, 1)), true);
-            peak_mib();
-            CUDA_CHECK(cudaDeviceSynchronize());  // start the clock again
-            t0 = std::chrono::steady_clock::now();
-        }
-        if (last_step) {
-            if (args.save_checkpoint) checkpoint(step);
-            break;  // the last step only validates
-        }
-        const bool profiled = args.profile_steps > 0 && step % args.profile_steps == 0;
-        // a profiled run times whole steps: no step's tail may run on into the next one's clock
-        if (args.profile_steps > 0) CUDA_CHECK(cudaDeviceSynchronize());
-        const double step_start = elapsed_ms();
-        if (profiled) g_profiler = &profiler, profiler.begin_step(stream);
-        try {
-            training_manager.train_step(step, *loader);
-        } catch (const TrainerError& e) {  // a NaN stops the run: say where, and what can resume it
-            throw TrainerError(strprintf("%s (training step %lld; last checkpoint: %s)", e.what(), (long long)step + 1,
-                                         last_checkpoint.empty() ? "none" : last_checkpoint.c_str()));
-        }
-        const bool unprofiled = args.profile_steps > 0 && !profiled;
-        if (profiled) profiler.end_step(stream, training_manager.phase()), g_profiler = nullptr;
-        if (unprofiled) CUDA_CHECK(cudaDeviceSynchronize());
-        const double step_ms = elapsed_ms() - step_start;
-        if (unprofiled) profiler.add_unprofiled(training_manager.phase(), step_ms);
-        const double approx = training_time_ms + elapsed_ms();
-        const std::string line = strprintf("step:%lld/%lld train_time:%.0fms step_avg:%.2fms", (long long)step + 1,
-                                           (long long)train_steps, approx, approx / (step + 1));
-        const double per_step = (approx - clock_at_start) / (step + 1 - first_step);
-        print0_console(line, strprintf("%s  %.2fM tok/s, ETA %s", line.c_str(),
-                                       get_bs(args, step) / std::max(step_ms, 1e-3) / 1e3,
-                                       format_duration(per_step * (train_steps - step - 1) / 1e3).c_str()));
-        // every rank finishes this step; then a signal on any rank stops all, after a checkpoint
-        int stop = g_stop_signal, any_stop = 0;
-        MPI_CHECK(MPI_Allreduce(&stop, &any_stop, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
-        if (any_stop || (args.checkpoint_every > 0 && (step + 1) % args.checkpoint_every == 0 && step + 1 < train_steps))
-            checkpoint(step + 1);
-        if (any_stop) {
-            print0(strprintf("stopped by %s after step %lld; continue with: ./train_gpt --resume %s", strsignal(any_stop),
-                             (long long)step + 1, last_checkpoint.c_str()), true);
-            break;
-        }
+                     std::chrono::duration<double>(t0_ - g_launch_time).count()), true);
+}
+
+RunHarness::~RunHarness() = default;
+
+double RunHarness::elapsed_ms() const {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0_).count();
+}
+
+void RunHarness::stop_clock() {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    training_time_ms_ += elapsed_ms();
+}
+
+void RunHarness::start_clock() {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    t0_ = std::chrono::steady_clock::now();
+}
+
+void RunHarness::log_validation(int64_t step, double val_loss) {
+    print0(strprintf("step:%lld/%lld val_loss:%.4f train_time:%.0fms step_avg:%.2fms", (long long)step,
+                     (long long)args_.num_iterations(), val_loss, training_time_ms_,
+                     training_time_ms_ / std::max<int64_t>(step, 1)), true);
+    peak_mib();
+    start_clock();
+}
+
+void RunHarness::checkpoint(int64_t steps_done) {
+    stop_clock();
+    rs_.steps_done = steps_done, rs_.training_time_ms = training_time_ms_;
+    last_checkpoint_ = save_checkpoint(args_, params_, opt_, tm_, loader_, rs_, dist_.rank, dist_.world_size);
+    print0("checkpoint " + last_checkpoint_, true);
+    t0_ = std::chrono::steady_clock::now();
+}
+
+void RunHarness::timed_step(int64_t step, const std::function<void()>& train_step) {
+    const int64_t train_steps = args_.num_iterations();
+    const bool profiled = args_.profile_steps > 0 && step % args_.profile_steps == 0;
+    // a profiled run times whole steps: no step's tail may run on into the next one's clock
+    if (args_.profile_steps > 0) CUDA_CHECK(cudaDeviceSynchronize());
+    const double step_start = elapsed_ms();
+    if (profiled) g_profiler = profiler_.get(), profiler_->begin_step(stream_);
+    try {
+        train_step();
+    } catch (const TrainerError& e) {  // a NaN stops the run: say where, and what can resume it
+        throw TrainerError(strprintf("%s (training step %lld; last checkpoint: %s)", e.what(), (long long)step + 1,
+                                     last_checkpoint_.empty() ? "none" : last_checkpoint_.c_str()));
     }
-    if (args.profile_steps > 0) print0(profiler.table(), true);
+    const bool unprofiled = args_.profile_steps > 0 && !profiled;
+    if (profiled) profiler_->end_step(stream_, tm_.phase()), g_profiler = nullptr;
+    if (unprofiled) CUDA_CHECK(cudaDeviceSynchronize());
+    const double step_ms = elapsed_ms() - step_start;
+    if (unprofiled) profiler_->add_unprofiled(tm_.phase(), step_ms);
+    const double approx = training_time_ms_ + elapsed_ms();
+    const std::string line = strprintf("step:%lld/%lld train_time:%.0fms step_avg:%.2fms", (long long)step + 1,
+                                       (long long)train_steps, approx, approx / (step + 1));
+    const double per_step = (approx - clock_at_start_) / (step + 1 - first_step_);
+    print0_console(line, strprintf("%s  %.2fM tok/s, ETA %s", line.c_str(),
+                                   get_bs(args_, step) / std::max(step_ms, 1e-3) / 1e3,
+                                   format_duration(per_step * (train_steps - step - 1) / 1e3).c_str()));
+    // every rank finishes this step; then a signal on any rank stops all, after a checkpoint
+    int stop = g_stop_signal, any_stop = 0;
+    MPI_CHECK(MPI_Allreduce(&stop, &any_stop, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
+    if (any_stop || (args_.checkpoint_every > 0 && (step + 1) % args_.checkpoint_every == 0 && step + 1 < train_steps))
+        checkpoint(step + 1);
+    if (any_stop) {
+        print0(strprintf("stopped by %s after step %lld; continue with: ./train_gpt --resume %s", strsignal(any_stop),
+                         (long long)step + 1, last_checkpoint_.c_str()), true);
+        stopped_ = true;
+    }
+}
+
+void RunHarness::finish() {
+    if (args_.profile_steps > 0) print0(profiler_->table(), true);
     print0(strprintf("peak memory in use: %.0f MiB (device total - free at its highest: CUDA context, NCCL and every "
                      "buffer; sampled after set-up, warmup, each validation and the end)", peak_mib()), true);
-
-    CUDA_CHECK(cudaStreamDestroy(stream));
-    if (g_logfile) fclose(g_logfile);
-    finalize_distributed(dist);
-    return 0;
 }
 
-int main(int argc, char** argv) {
-    try {
-        return trainer_main(argc, argv);
-    } catch (const std::exception& e) {
-        fatal(e.what());
-    }
-}
 #endif  // TRAIN_GPT_NO_MAIN
