@@ -354,224 +354,11 @@ static int64_t next_multiple_of_n(int64_t v, int64_t n) { return v <= 0 ? n : (v
 // cu_seqlens entries of a batch of n tokens on a rank, as the record pads them (median document ~400 tokens)
 static int64_t max_num_docs_of(int64_t n) { return next_multiple_of_n(n / 300, 128); }
 
-// -----------------------------------------------------------------------------
-// Configuration: the flags, their parsing and the resolved configuration that goes in the log.
-
-struct Option {
-    const char* name;
-    OptType type;
-    void* ptr;
-    const char* help;
-};
-
-// the flags of a Hyperparameters, in the list's order (the order of --help and of the log)
-static std::vector<Option> options_of(Hyperparameters& a) {
-#define OPTION_OF_HYPERPARAMETER(type, name, value, help) {#name, OptType::type, &a.name, help},
-    return {HYPERPARAMETERS(OPTION_OF_HYPERPARAMETER)};
-#undef OPTION_OF_HYPERPARAMETER
-}
-
-static std::string format_double(double v) {
-    // shortest text that reads back to the same double, like Python's repr
-    for (int prec = 1; prec <= 17; ++prec) {
-        std::string s = strprintf("%.*g", prec, v);
-        if (strtod(s.c_str(), nullptr) == v) return s;
-    }
-    return strprintf("%.17g", v);
-}
-
-static std::string format_option(const Option& o) {
-    switch (o.type) {
-        case OptType::I64: return std::to_string(*(int64_t*)o.ptr);
-        case OptType::U64: return std::to_string(*(uint64_t*)o.ptr);
-        case OptType::F64: return format_double(*(double*)o.ptr);
-        case OptType::STR: return *(std::string*)o.ptr;
-        case OptType::BOOL: return *(bool*)o.ptr ? "true" : "false";
-        case OptType::I64_LIST: {
-            std::string s;
-            for (int64_t v : *(std::vector<int64_t>*)o.ptr) s += (s.empty() ? "" : ",") + std::to_string(v);
-            return s;
-        }
-        case OptType::F64_LIST: {
-            std::string s;
-            for (double v : *(std::vector<double>*)o.ptr) s += (s.empty() ? "" : ",") + format_double(v);
-            return s;
-        }
-    }
-    return "";
-}
-
-static int64_t parse_i64(const std::string& flag, const std::string& v) {
-    errno = 0;
-    char* end = nullptr;
-    long long x = strtoll(v.c_str(), &end, 10);
-    if (v.empty() || *end != '\0' || errno == ERANGE)
-        fail(strprintf("--%s: '%s' is not an integer", flag.c_str(), v.c_str()));
-    return x;
-}
-
-static double parse_f64(const std::string& flag, const std::string& v) {
-    errno = 0;
-    char* end = nullptr;
-    double x = strtod(v.c_str(), &end);
-    if (v.empty() || *end != '\0' || errno == ERANGE || !std::isfinite(x))
-        fail(strprintf("--%s: '%s' is not a finite number", flag.c_str(), v.c_str()));
-    return x;
-}
-
-static std::vector<std::string> split(const std::string& s, char sep) {
-    std::vector<std::string> out;
-    size_t start = 0;
-    while (true) {
-        size_t p = s.find(sep, start);
-        out.push_back(s.substr(start, p == std::string::npos ? std::string::npos : p - start));
-        if (p == std::string::npos) return out;
-        start = p + 1;
-    }
-}
-
-// The words of line i of a state text written as "key value ...": refused (naming `what`) unless
-// the line is there and starts with key.
+// Text helpers of the harness (below the line) that the state texts of checkpoints use
+static int64_t parse_i64(const std::string& flag, const std::string& v);
+static std::vector<std::string> split(const std::string& s, char sep);
 static std::vector<std::string> keyed_line(const std::vector<std::string>& lines, size_t i, const char* key,
-                                           const char* what) {
-    std::vector<std::string> w = i < lines.size() ? split(lines[i], ' ') : std::vector<std::string>{};
-    if (w.empty() || w[0] != key) fail(strprintf("%s: line %zu is not '%s ...'", what, i + 1, key));
-    return w;
-}
-
-static void set_option(const Option& o, const std::string& v) {
-    const std::string flag = o.name;
-    switch (o.type) {
-        case OptType::I64: *(int64_t*)o.ptr = parse_i64(flag, v); break;
-        case OptType::U64: {
-            if (!v.empty() && v[0] == '-') fail(strprintf("--%s: '%s' must not be negative", o.name, v.c_str()));
-            errno = 0;
-            char* end = nullptr;
-            unsigned long long x = strtoull(v.c_str(), &end, 10);
-            if (v.empty() || *end != '\0' || errno == ERANGE)
-                fail(strprintf("--%s: '%s' is not an unsigned integer", o.name, v.c_str()));
-            *(uint64_t*)o.ptr = x;
-            break;
-        }
-        case OptType::F64: *(double*)o.ptr = parse_f64(flag, v); break;
-        case OptType::STR: *(std::string*)o.ptr = v; break;
-        case OptType::BOOL:
-            if (v == "1" || v == "true") *(bool*)o.ptr = true;
-            else if (v == "0" || v == "false") *(bool*)o.ptr = false;
-            else fail(strprintf("--%s: '%s' is not a boolean (true/false/1/0)", o.name, v.c_str()));
-            break;
-        case OptType::I64_LIST: {
-            std::vector<int64_t> xs;
-            for (const std::string& p : split(v, ',')) xs.push_back(parse_i64(flag, p));
-            *(std::vector<int64_t>*)o.ptr = xs;
-            break;
-        }
-        case OptType::F64_LIST: {
-            std::vector<double> xs;
-            for (const std::string& p : split(v, ',')) xs.push_back(parse_f64(flag, p));
-            *(std::vector<double>*)o.ptr = xs;
-            break;
-        }
-    }
-}
-
-// Parses `--name value`, `--name=value` and a bare `--bool_flag`. Throws on unknown flags.
-static void parse_args(Hyperparameters& args, const std::vector<std::string>& argv) {
-    std::vector<Option> opts = options_of(args);
-    for (size_t i = 0; i < argv.size(); ++i) {
-        const std::string& a = argv[i];
-        if (a.rfind("--", 0) != 0) fail(strprintf("unexpected argument '%s' (flags look like --name value)", a.c_str()));
-        std::string name = a.substr(2), value;
-        bool has_value = false;
-        size_t eq = name.find('=');
-        if (eq != std::string::npos) {
-            value = name.substr(eq + 1);
-            name = name.substr(0, eq);
-            has_value = true;
-        }
-        auto it = std::find_if(opts.begin(), opts.end(), [&](const Option& o) { return name == o.name; });
-        if (it == opts.end()) fail(strprintf("unknown flag --%s (./train_gpt --help lists the flags)", name.c_str()));
-        if (!has_value) {
-            bool next_is_value = i + 1 < argv.size() && argv[i + 1].rfind("--", 0) != 0;
-            if (it->type == OptType::BOOL && !next_is_value) value = "true";
-            else if (!next_is_value) fail(strprintf("--%s needs a value", name.c_str()));
-            else value = argv[++i];
-        }
-        set_option(*it, value);
-    }
-}
-
-constexpr int GEMM_MAX_CANDIDATES = 64;  // the most heuristic candidates a GEMM shape's tuning may time
-
-// Checks that the configuration can run at this world size; every message names the flag.
-static void validate_args(const Hyperparameters& a, int world_size) {
-    if (world_size < 1 || 8 % world_size != 0)
-        fail(strprintf("world size %d does not divide 8 (run on 1, 2, 4 or 8 GPUs)", world_size));
-    auto positive = [](const char* flag, int64_t v) {
-        if (v <= 0) fail(strprintf("--%s must be positive, got %lld", flag, (long long)v));
-    };
-    auto non_negative = [](const char* flag, int64_t v) {
-        if (v < 0) fail(strprintf("--%s must not be negative, got %lld", flag, (long long)v));
-    };
-    if (a.train_files.empty()) fail("--train_files must not be empty");
-    if (a.val_files.empty()) fail("--val_files must not be empty");
-    positive("train_max_seq_len", a.train_max_seq_len);
-    positive("block_size", a.block_size);
-    if (a.gemm_candidates < 1 || a.gemm_candidates > GEMM_MAX_CANDIDATES)
-        fail(strprintf("--gemm_candidates must be in 1..%d, got %lld", GEMM_MAX_CANDIDATES, (long long)a.gemm_candidates));
-    // 8 = world size x accumulation steps: every micro-batch holds whole max-length sequences
-    const int64_t unit = 8 * a.train_max_seq_len;
-    auto batch = [&](const char* flag, int64_t v) {
-        positive(flag, v);
-        if (v % unit != 0)
-            fail(strprintf("--%s: %lld is not divisible by 8 x train_max_seq_len = %lld", flag, (long long)v,
-                           (long long)unit));
-    };
-    if (a.train_bs_schedule.empty()) fail("--train_bs_schedule must hold at least one batch size");
-    for (int64_t bs : a.train_bs_schedule) batch("train_bs_schedule", bs);
-    batch("train_bs_extension", a.train_bs_extension);
-    batch("val_batch_size", a.val_batch_size);
-    positive("val_tokens", a.val_tokens);
-    if (a.val_tokens % a.val_batch_size != 0)
-        fail(strprintf("--val_tokens: %lld is not a multiple of --val_batch_size %lld", (long long)a.val_tokens,
-                       (long long)a.val_batch_size));
-    positive("num_scheduled_iterations", a.num_scheduled_iterations);
-    non_negative("num_extension_iterations", a.num_extension_iterations);
-    if (!(a.cooldown_frac > 0 && a.cooldown_frac <= 1))
-        fail(strprintf("--cooldown_frac must be in (0, 1], got %s", format_double(a.cooldown_frac).c_str()));
-    if (!(a.split_embed_frac > 0 && a.split_embed_frac <= 1))
-        fail(strprintf("--split_embed_frac must be in (0, 1], got %s", format_double(a.split_embed_frac).c_str()));
-    if (a.lr_max_schedule.empty()) fail("--lr_max_schedule must hold at least one value");
-    for (double v : a.lr_max_schedule)
-        if (v <= 0) fail(strprintf("--lr_max_schedule values must be positive, got %s", format_double(v).c_str()));
-    if (a.lr_min < 0) fail("--lr_min must not be negative");
-    positive("muon_warmup_steps", a.muon_warmup_steps);
-    positive("muon_cooldown_steps", a.muon_cooldown_steps);
-    if (!(a.momentum_min >= 0 && a.momentum_min < 1)) fail("--momentum_min must be in [0, 1)");
-    if (!(a.momentum_max >= 0 && a.momentum_max < 1)) fail("--momentum_max must be in [0, 1)");
-    for (auto [flag, v] : {std::pair<const char*, double>{"adam_lr", a.adam_lr}, {"adam_eps", a.adam_eps},
-                           {"normuon_lr", a.normuon_lr}, {"lm_head_x_s", a.lm_head_x_s},
-                           {"lm_head_w_s", a.lm_head_w_s}, {"lm_head_grad_s", a.lm_head_grad_s},
-                           {"softcap_a", a.softcap_a}, {"softcap_c", a.softcap_c},
-                           {"attn_scale_init", a.attn_scale_init}})
-        if (!(v > 0)) fail(strprintf("--%s must be positive, got %s", flag, format_double(v).c_str()));
-    if (a.adam_weight_decay < 0) fail("--adam_weight_decay must not be negative");
-    if (a.normuon_weight_decay < 0) fail("--normuon_weight_decay must not be negative");
-    if (!(a.normuon_beta2 >= 0 && a.normuon_beta2 < 1)) fail("--normuon_beta2 must be in [0, 1)");
-    non_negative("val_loss_every", a.val_loss_every);
-    non_negative("checkpoint_every", a.checkpoint_every);
-    non_negative("profile_steps", a.profile_steps);
-    positive("logit_chunk_rows", a.logit_chunk_rows);
-    if (a.logit_chunk_rows % 16) fail(strprintf("--logit_chunk_rows must be a multiple of 16 (fp8 GEMMs), got %lld", (long long)a.logit_chunk_rows));
-    if (a.ws_schedule.empty()) fail("--ws_schedule must hold at least one window");
-    for (int64_t w : a.ws_schedule) positive("ws_schedule", w);
-    positive("ws_final", a.ws_final);
-    positive("ws_validate_post_yarn_ext", a.ws_validate_post_yarn_ext);
-    if (a.yarn_beta <= a.yarn_alpha) fail("--yarn_beta must be larger than --yarn_alpha");
-    for (char c : a.run_id)
-        if (!(isalnum((unsigned char)c) || c == '-' || c == '_' || c == '.'))
-            fail(strprintf("--run_id '%s' may hold only letters, digits, '-', '_' and '.'", a.run_id.c_str()));
-}
+                                           const char* what);
 
 // -----------------------------------------------------------------------------
 // GEMMs and fp8 ops, through cuBLASLt. Matrices are row-major, as in the Python record; each
@@ -613,134 +400,26 @@ class StreamTimer {
     size_t used_ = 0;
 };
 
-// Where a training step's time goes, measured in the real loop (--profile_steps N; `make bench`
-// uses it on real data): the compute stream's timeline is cut by marks, each saying "from here on
-// the GPU works on part p", and every stretch between two marks is added to its part. Stretches
-// where the GPU waits for the host (data, launches, the loss's readback) count as the part whose
-// mark opened them: marks at the host's waits put those under `host`. Each mark also opens an NVTX
-// range of the part's name, so Nsight Systems shows the same parts on the host's timeline.
+// Profiling (--profile_steps; the LoopProfiler is part of the harness, below the line): while a
+// step is profiled, the work queued on a stream from a mark on counts as the mark's part.
 enum class Part { Host, Gemm, Head, Loss, AttentionFwd, AttentionBwd, Elementwise, EmbedBwd, Optimizer, COUNT };
-static const char* const part_names[] = {"host, data and uploads", "bf16 GEMMs (model)", "fp8 lm_head (casts, GEMMs)",
-                                         "cross-entropy (loss, grad)", "attention forward", "attention backward",
-                                         "norms, gates, rope, elementwise", "embedding backward",
-                                         "optimizer (and NCCL waits)"};
-static const char* const part_short[] = {"host", "gemm", "head", "loss", "attention_fwd", "attention_bwd", "elementwise",
-                                         "embed_bwd", "optimizer"};
-
-class LoopProfiler {
+class LoopProfiler;
+static LoopProfiler* g_profiler = nullptr;  // the profiler while a step is profiled (else the marks cost nothing)
+static void profile_mark(Part p, cudaStream_t s);  // from here on, the work queued on s counts as part p
+static Part profiled_part();                       // the part marked last
+// the work queued on s in a scope counts as part p (its GEMM flops as p's), then as the part before
+class ProfiledPart {
    public:
-    ~LoopProfiler() {
-        if (open_) nvtxRangePop();
-        for (cudaEvent_t e : pool_) CUDA_CHECK(cudaEventDestroy(e));
-    }
-    Part current() const { return current_; }
-    // from here on, the work queued on s counts as part p
-    void mark(Part p, cudaStream_t s) {
-        if (used_ == pool_.size()) {
-            cudaEvent_t e;
-            CUDA_CHECK(cudaEventCreate(&e));
-            pool_.push_back(e);
-        }
-        CUDA_CHECK(cudaEventRecord(pool_[used_], s));
-        parts_.push_back(p);
-        ++used_;
-        current_ = p;
-        if (open_) nvtxRangePop();
-        nvtxRangePushA(part_short[(int)p]);
-        open_ = true;
-    }
-    // floating-point work of the GEMMs queued since the step began (their floor)
-    void add_flops(Part p, double flops, bool fp8) { (fp8 ? fp8_flops_ : bf16_flops_)[(int)p] += flops; }
-    void begin_step(cudaStream_t s) {
-        used_ = 0;
-        parts_.clear();
-        wall0_ = std::chrono::steady_clock::now();
-        mark(Part::Host, s);
-    }
-    // ends the step that began last: waits for it and adds its parts to the phase's totals
-    void end_step(cudaStream_t s, const std::string& phase) {
-        mark(Part::Host, s);
-        CUDA_CHECK(cudaEventSynchronize(pool_[used_ - 1]));
-        const double wall = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall0_).count();
-        Totals& t = phases_[phase];
-        if (t.steps == 0) order_.push_back(phase);
-        for (size_t i = 0; i + 1 < used_; ++i) {
-            float ms;
-            CUDA_CHECK(cudaEventElapsedTime(&ms, pool_[i], pool_[i + 1]));
-            t.ms[(int)parts_[i]] += ms;
-        }
-        for (int p = 0; p < (int)Part::COUNT; ++p) t.bf16_flops[p] += bf16_flops_[p], t.fp8_flops[p] += fp8_flops_[p];
-        bf16_flops_.fill(0), fp8_flops_.fill(0);
-        t.wall_ms += wall;
-        t.steps += 1;
-        if (open_) nvtxRangePop();
-        open_ = false;
-    }
-    // the host clock of a step that was not profiled, from an idle GPU to an idle GPU (the profiled
-    // ones should take as long: their events cost little)
-    void add_unprofiled(const std::string& phase, double ms) {
-        Unprofiled& u = unprofiled_[phase];
-        u.ms += ms, u.steps += 1;
-    }
-    // ms per step of a part over the phase's steps
-    double part_ms(const std::string& phase, Part p) const {
-        auto it = phases_.find(phase);
-        return it == phases_.end() || it->second.steps == 0 ? 0 : it->second.ms[(int)p] / it->second.steps;
-    }
-    // One table per phase: each part's ms per step and share, the GEMM parts beside their floor at
-    // the measured H200 ceilings (bf16 790 TFLOP/s; fp8 taken as twice that).
-    std::string table() const {
-        std::string s;
-        for (const std::string& phase : order_) {
-            const Totals& t = phases_.at(phase);
-            double total = 0;
-            for (double ms : t.ms) total += ms;
-            s += strprintf("profile %s: %lld steps, %.2f ms per step (host clock %.2f", phase.c_str(),
-                           (long long)t.steps, total / t.steps, t.wall_ms / t.steps);
-            auto u = unprofiled_.find(phase);
-            if (u != unprofiled_.end() && u->second.steps > 0)
-                s += strprintf("; %lld steps not profiled: %.2f", (long long)u->second.steps, u->second.ms / u->second.steps);
-            s += ")\n";
-            s += strprintf("  %-34s %9s %6s %10s\n", "part", "ms/step", "share", "floor ms");
-            for (int p = 0; p < (int)Part::COUNT; ++p) {
-                const double ms = t.ms[p] / t.steps;
-                const double floor_ms = (t.bf16_flops[p] / 790e12 + t.fp8_flops[p] / 1580e12) * 1e3 / t.steps;
-                s += strprintf("  %-34s %9.2f %5.1f%% %10s\n", part_names[p], ms, 100 * ms / (total / t.steps),
-                               floor_ms > 0 ? strprintf("%.2f", floor_ms).c_str() : "-");
-            }
-        }
-        return s;
-    }
+    ProfiledPart(Part p, cudaStream_t s, double gemm_flops = 0, bool fp8 = false);
+    ~ProfiledPart();
 
    private:
-    struct Totals {
-        std::array<double, (size_t)Part::COUNT> ms{}, bf16_flops{}, fp8_flops{};
-        double wall_ms = 0;
-        int64_t steps = 0;
-    };
-    std::vector<cudaEvent_t> pool_;
-    std::vector<Part> parts_;
-    size_t used_ = 0;
-    Part current_ = Part::Host;
-    bool open_ = false;
-    std::array<double, (size_t)Part::COUNT> bf16_flops_{}, fp8_flops_{};
-    std::chrono::steady_clock::time_point wall0_;
-    struct Unprofiled {
-        double ms = 0;
-        int64_t steps = 0;
-    };
-    std::map<std::string, Totals> phases_;
-    std::map<std::string, Unprofiled> unprofiled_;
-    std::vector<std::string> order_;
+    cudaStream_t s_;
+    Part outer_ = Part::Host;
 };
 
-// the profiler of this process while one runs (else null: the marks cost nothing)
-static LoopProfiler* g_profiler = nullptr;
-static void profile_mark(Part p, cudaStream_t s) {
-    if (g_profiler) g_profiler->mark(p, s);
-}
-
 enum class Op { N, T };  // op(X) = X or X^T
+constexpr int GEMM_MAX_CANDIDATES = 64;  // the most heuristic candidates a GEMM shape's tuning may time
 
 class Gemms {
    public:
@@ -1070,18 +749,13 @@ class Gemms {
         if (!p.tuned) tune(stream, key, p, A, B, C, D, alpha, beta);
         // profiled: the model's GEMMs are a part of their own; the head's and the optimizer's count
         // as those parts
-        const Part outer = g_profiler ? g_profiler->current() : Part::Host;
-        const bool own_part = g_profiler && outer != Part::Head && outer != Part::Optimizer;
-        if (g_profiler)
-            g_profiler->add_flops(own_part ? Part::Gemm : outer, 2.0 * key.m * key.n * key.k * key.batch, key.ta != CUDA_R_16BF);
-        if (own_part) g_profiler->mark(Part::Gemm, stream);
+        const Part outer = profiled_part();
+        ProfiledPart part(outer == Part::Head || outer == Part::Optimizer ? outer : Part::Gemm, stream,
+                          2.0 * key.m * key.n * key.k * key.batch, key.ta != CUDA_R_16BF);
         while (true) {
             cublasStatus_t st = cublasLtMatmul(lt_, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, D, p.c,
                                                &p.candidates.front(), workspace(stream), workspace_bytes_, stream);
-            if (st == CUBLAS_STATUS_SUCCESS) {
-                if (own_part) g_profiler->mark(outer, stream);
-                return;
-            }
+            if (st == CUBLAS_STATUS_SUCCESS) return;
             if (st != CUBLAS_STATUS_NOT_SUPPORTED || p.candidates.size() == 1)
                 fatal(strprintf("cublasLtMatmul failed for a %s: %s", describe(key).c_str(), cublasLtGetStatusString(st)));
             p.candidates.erase(p.candidates.begin());
@@ -2169,9 +1843,10 @@ class Model {
             // MLP: x += relu(norm(x) c_fc^T)^2 c_proj (ReLU^2: arXiv 2109.08668, suggested by @SKYLINEZ007 and
             // @Grad62304977)
             if (attn) CUDA_CHECK(rms_norm_forward(l.x_attn, D, l.xn_m, D, l.rstd_m, T, D, RMS_NORM_EPS, s));
-            fused_gemm_mark(T, 4 * D, D, s);
-            CUDA_CHECK(linear_relu_square_forward(l.xn_m, c_fc(i), T, 4 * D, D, l.pre, l.post, s));
-            profile_mark(Part::Elementwise, s);
+            {
+                ProfiledPart gemm(Part::Gemm, s, 2.0 * T * 4 * D * D);
+                CUDA_CHECK(linear_relu_square_forward(l.xn_m, c_fc(i), T, 4 * D, D, l.pre, l.post, s));
+            }
             __nv_bfloat16* out = i + 1 < NUM_LAYERS ? layer(i + 1).x_in : x_last_;
             gemms_.bf16(s, Op::N, Op::N, T, D, 4 * D, l.post, 4 * D, c_proj(i), D, out, D, false, 1.f, 1.f, l.x_attn);
             x = out;
@@ -2208,9 +1883,10 @@ class Model {
             gemms_.bf16(side(s), Op::T, Op::N, 4 * D, D, T, l.post, 4 * D, dx_, D, c_proj_grad(i), D, false, 1.f, 1.f);
             side_mark(ev_cproj_);
             side_wait(ev_cfc_, s);  // dpre: the layer above's c_fc weight gradient has read it
-            fused_gemm_mark(T, 4 * D, D, s);
-            CUDA_CHECK(linear_relu_square_backward(dx_, c_proj(i), T, 4 * D, D, l.pre, dpre_, s));
-            profile_mark(Part::Elementwise, s);
+            {
+                ProfiledPart gemm(Part::Gemm, s, 2.0 * T * 4 * D * D);
+                CUDA_CHECK(linear_relu_square_backward(dx_, c_proj(i), T, 4 * D, D, l.pre, dpre_, s));
+            }
             gemms_.bf16(side(s), Op::T, Op::N, 4 * D, D, T, dpre_, 4 * D, l.xn_m, D, c_fc_grad(i), D, false, 1.f, 1.f);
             side_mark(ev_cfc_);
             gemms_.bf16(s, Op::N, Op::N, T, D, 4 * D, dpre_, 4 * D, c_fc(i), D, dxn_, D, false);
@@ -2315,12 +1991,6 @@ class Model {
     }
     void side_join(cudaStream_t s) { side_mark(ev_join_), side_wait(ev_join_, s); }
 
-    // profiled: a fused GEMM's time and flops count as the model's GEMMs (the caller marks the part after it)
-    static void fused_gemm_mark(int64_t m, int64_t n, int64_t k, cudaStream_t s) {
-        if (!g_profiler) return;
-        g_profiler->add_flops(Part::Gemm, 2.0 * m * n * k, false);
-        g_profiler->mark(Part::Gemm, s);
-    }
     gate::Params row_gate(int T, const __nv_bfloat16* x, const __nv_bfloat16* w, const float* lambda) {
         gate::Params g{};
         g.tokens = T, g.heads = 1, g.x = x, g.ld_x = MODEL_DIM, g.w = w, g.lambda = lambda;
@@ -2388,11 +2058,12 @@ class Model {
             vg.a = v, vg.ld_a = VALUE_LD, vg.b = ve_[LAYERS[i].ve];
             CUDA_CHECK(gate_forward(GateKind::ValueEmbedding, vg, s));
         }
-        profile_mark(Part::AttentionFwd, s);
         bool& made = schedule_made_[schedule_slot(i)];
-        CUDA_CHECK(attention_forward(attn_params(i), s, !made));
+        {
+            ProfiledPart part(Part::AttentionFwd, s);
+            CUDA_CHECK(attention_forward(attn_params(i), s, !made));
+        }
         made = true;
-        profile_mark(Part::Elementwise, s);
         gate::Params og = head_gate(i, attn_gate_w(i));
         og.a = l.y, og.out = l.yg;
         CUDA_CHECK(gate_forward(GateKind::Output, og, s));
@@ -2426,9 +2097,10 @@ class Model {
             fail(strprintf("attention backward: window %d exceeds the %d the dS workspace was sized for", ap.window,
                            max_window_));
         side_wait(ev_qkv_, s);  // attention writes dv into dqkv: the layer above's QKV weight gradient has read it
-        profile_mark(Part::AttentionBwd, s);
-        CUDA_CHECK(attention_backward(ap, s, true));
-        profile_mark(Part::Elementwise, s);
+        {
+            ProfiledPart part(Part::AttentionBwd, s);
+            CUDA_CHECK(attention_backward(ap, s, true));
+        }
         // value-embedding gate: v passes through; dve (its input gradient too joins dxn later)
         const __nv_bfloat16* dv = value_grad();
         gate::Params vg = head_gate(i, ve_gate_w(i));
@@ -3423,6 +3095,361 @@ int main(int argc, char** argv) {
 // THE HARNESS. Below this line: what a record never edits (logs and --diff-logs, --rerun and
 // --resume, checkpoints, the flags' machinery, main's setup and clock).
 // =============================================================================================
+
+// -----------------------------------------------------------------------------
+// Where a training step's time goes, measured in the real loop (--profile_steps N; `make bench`
+// uses it on real data): the compute stream's timeline is cut by marks, each saying "from here on
+// the GPU works on part p", and every stretch between two marks is added to its part. Stretches
+// where the GPU waits for the host (data, launches, the loss's readback) count as the part whose
+// mark opened them: marks at the host's waits put those under `host`. Each mark also opens an NVTX
+// range of the part's name, so Nsight Systems shows the same parts on the host's timeline.
+static const char* const part_names[] = {"host, data and uploads", "bf16 GEMMs (model)", "fp8 lm_head (casts, GEMMs)",
+                                         "cross-entropy (loss, grad)", "attention forward", "attention backward",
+                                         "norms, gates, rope, elementwise", "embedding backward",
+                                         "optimizer (and NCCL waits)"};
+static const char* const part_short[] = {"host", "gemm", "head", "loss", "attention_fwd", "attention_bwd", "elementwise",
+                                         "embed_bwd", "optimizer"};
+
+class LoopProfiler {
+   public:
+    ~LoopProfiler() {
+        if (open_) nvtxRangePop();
+        for (cudaEvent_t e : pool_) CUDA_CHECK(cudaEventDestroy(e));
+    }
+    Part current() const { return current_; }
+    // from here on, the work queued on s counts as part p
+    void mark(Part p, cudaStream_t s) {
+        if (used_ == pool_.size()) {
+            cudaEvent_t e;
+            CUDA_CHECK(cudaEventCreate(&e));
+            pool_.push_back(e);
+        }
+        CUDA_CHECK(cudaEventRecord(pool_[used_], s));
+        parts_.push_back(p);
+        ++used_;
+        current_ = p;
+        if (open_) nvtxRangePop();
+        nvtxRangePushA(part_short[(int)p]);
+        open_ = true;
+    }
+    // floating-point work of the GEMMs queued since the step began (their floor)
+    void add_flops(Part p, double flops, bool fp8) { (fp8 ? fp8_flops_ : bf16_flops_)[(int)p] += flops; }
+    void begin_step(cudaStream_t s) {
+        used_ = 0;
+        parts_.clear();
+        wall0_ = std::chrono::steady_clock::now();
+        mark(Part::Host, s);
+    }
+    // ends the step that began last: waits for it and adds its parts to the phase's totals
+    void end_step(cudaStream_t s, const std::string& phase) {
+        mark(Part::Host, s);
+        CUDA_CHECK(cudaEventSynchronize(pool_[used_ - 1]));
+        const double wall = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall0_).count();
+        Totals& t = phases_[phase];
+        if (t.steps == 0) order_.push_back(phase);
+        for (size_t i = 0; i + 1 < used_; ++i) {
+            float ms;
+            CUDA_CHECK(cudaEventElapsedTime(&ms, pool_[i], pool_[i + 1]));
+            t.ms[(int)parts_[i]] += ms;
+        }
+        for (int p = 0; p < (int)Part::COUNT; ++p) t.bf16_flops[p] += bf16_flops_[p], t.fp8_flops[p] += fp8_flops_[p];
+        bf16_flops_.fill(0), fp8_flops_.fill(0);
+        t.wall_ms += wall;
+        t.steps += 1;
+        if (open_) nvtxRangePop();
+        open_ = false;
+    }
+    // the host clock of a step that was not profiled, from an idle GPU to an idle GPU (the profiled
+    // ones should take as long: their events cost little)
+    void add_unprofiled(const std::string& phase, double ms) {
+        Unprofiled& u = unprofiled_[phase];
+        u.ms += ms, u.steps += 1;
+    }
+    // ms per step of a part over the phase's steps
+    double part_ms(const std::string& phase, Part p) const {
+        auto it = phases_.find(phase);
+        return it == phases_.end() || it->second.steps == 0 ? 0 : it->second.ms[(int)p] / it->second.steps;
+    }
+    // One table per phase: each part's ms per step and share, the GEMM parts beside their floor at
+    // the measured H200 ceilings (bf16 790 TFLOP/s; fp8 taken as twice that).
+    std::string table() const {
+        std::string s;
+        for (const std::string& phase : order_) {
+            const Totals& t = phases_.at(phase);
+            double total = 0;
+            for (double ms : t.ms) total += ms;
+            s += strprintf("profile %s: %lld steps, %.2f ms per step (host clock %.2f", phase.c_str(),
+                           (long long)t.steps, total / t.steps, t.wall_ms / t.steps);
+            auto u = unprofiled_.find(phase);
+            if (u != unprofiled_.end() && u->second.steps > 0)
+                s += strprintf("; %lld steps not profiled: %.2f", (long long)u->second.steps, u->second.ms / u->second.steps);
+            s += ")\n";
+            s += strprintf("  %-34s %9s %6s %10s\n", "part", "ms/step", "share", "floor ms");
+            for (int p = 0; p < (int)Part::COUNT; ++p) {
+                const double ms = t.ms[p] / t.steps;
+                const double floor_ms = (t.bf16_flops[p] / 790e12 + t.fp8_flops[p] / 1580e12) * 1e3 / t.steps;
+                s += strprintf("  %-34s %9.2f %5.1f%% %10s\n", part_names[p], ms, 100 * ms / (total / t.steps),
+                               floor_ms > 0 ? strprintf("%.2f", floor_ms).c_str() : "-");
+            }
+        }
+        return s;
+    }
+
+   private:
+    struct Totals {
+        std::array<double, (size_t)Part::COUNT> ms{}, bf16_flops{}, fp8_flops{};
+        double wall_ms = 0;
+        int64_t steps = 0;
+    };
+    std::vector<cudaEvent_t> pool_;
+    std::vector<Part> parts_;
+    size_t used_ = 0;
+    Part current_ = Part::Host;
+    bool open_ = false;
+    std::array<double, (size_t)Part::COUNT> bf16_flops_{}, fp8_flops_{};
+    std::chrono::steady_clock::time_point wall0_;
+    struct Unprofiled {
+        double ms = 0;
+        int64_t steps = 0;
+    };
+    std::map<std::string, Totals> phases_;
+    std::map<std::string, Unprofiled> unprofiled_;
+    std::vector<std::string> order_;
+};
+
+static void profile_mark(Part p, cudaStream_t s) {
+    if (g_profiler) g_profiler->mark(p, s);
+}
+
+static Part profiled_part() { return g_profiler ? g_profiler->current() : Part::Host; }
+
+ProfiledPart::ProfiledPart(Part p, cudaStream_t s, double gemm_flops, bool fp8) : s_(s) {
+    if (!g_profiler) return;
+    outer_ = g_profiler->current();
+    if (gemm_flops > 0) g_profiler->add_flops(p, gemm_flops, fp8);
+    g_profiler->mark(p, s);
+}
+ProfiledPart::~ProfiledPart() {
+    if (g_profiler) g_profiler->mark(outer_, s_);
+}
+
+
+// -----------------------------------------------------------------------------
+// Configuration: the flags, their parsing and the resolved configuration that goes in the log.
+
+struct Option {
+    const char* name;
+    OptType type;
+    void* ptr;
+    const char* help;
+};
+
+// the flags of a Hyperparameters, in the list's order (the order of --help and of the log)
+static std::vector<Option> options_of(Hyperparameters& a) {
+#define OPTION_OF_HYPERPARAMETER(type, name, value, help) {#name, OptType::type, &a.name, help},
+    return {HYPERPARAMETERS(OPTION_OF_HYPERPARAMETER)};
+#undef OPTION_OF_HYPERPARAMETER
+}
+
+static std::string format_double(double v) {
+    // shortest text that reads back to the same double, like Python's repr
+    for (int prec = 1; prec <= 17; ++prec) {
+        std::string s = strprintf("%.*g", prec, v);
+        if (strtod(s.c_str(), nullptr) == v) return s;
+    }
+    return strprintf("%.17g", v);
+}
+
+static std::string format_option(const Option& o) {
+    switch (o.type) {
+        case OptType::I64: return std::to_string(*(int64_t*)o.ptr);
+        case OptType::U64: return std::to_string(*(uint64_t*)o.ptr);
+        case OptType::F64: return format_double(*(double*)o.ptr);
+        case OptType::STR: return *(std::string*)o.ptr;
+        case OptType::BOOL: return *(bool*)o.ptr ? "true" : "false";
+        case OptType::I64_LIST: {
+            std::string s;
+            for (int64_t v : *(std::vector<int64_t>*)o.ptr) s += (s.empty() ? "" : ",") + std::to_string(v);
+            return s;
+        }
+        case OptType::F64_LIST: {
+            std::string s;
+            for (double v : *(std::vector<double>*)o.ptr) s += (s.empty() ? "" : ",") + format_double(v);
+            return s;
+        }
+    }
+    return "";
+}
+
+static int64_t parse_i64(const std::string& flag, const std::string& v) {
+    errno = 0;
+    char* end = nullptr;
+    long long x = strtoll(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || errno == ERANGE)
+        fail(strprintf("--%s: '%s' is not an integer", flag.c_str(), v.c_str()));
+    return x;
+}
+
+static double parse_f64(const std::string& flag, const std::string& v) {
+    errno = 0;
+    char* end = nullptr;
+    double x = strtod(v.c_str(), &end);
+    if (v.empty() || *end != '\0' || errno == ERANGE || !std::isfinite(x))
+        fail(strprintf("--%s: '%s' is not a finite number", flag.c_str(), v.c_str()));
+    return x;
+}
+
+static std::vector<std::string> split(const std::string& s, char sep) {
+    std::vector<std::string> out;
+    size_t start = 0;
+    while (true) {
+        size_t p = s.find(sep, start);
+        out.push_back(s.substr(start, p == std::string::npos ? std::string::npos : p - start));
+        if (p == std::string::npos) return out;
+        start = p + 1;
+    }
+}
+
+// The words of line i of a state text written as "key value ...": refused (naming `what`) unless
+// the line is there and starts with key.
+static std::vector<std::string> keyed_line(const std::vector<std::string>& lines, size_t i, const char* key,
+                                           const char* what) {
+    std::vector<std::string> w = i < lines.size() ? split(lines[i], ' ') : std::vector<std::string>{};
+    if (w.empty() || w[0] != key) fail(strprintf("%s: line %zu is not '%s ...'", what, i + 1, key));
+    return w;
+}
+
+static void set_option(const Option& o, const std::string& v) {
+    const std::string flag = o.name;
+    switch (o.type) {
+        case OptType::I64: *(int64_t*)o.ptr = parse_i64(flag, v); break;
+        case OptType::U64: {
+            if (!v.empty() && v[0] == '-') fail(strprintf("--%s: '%s' must not be negative", o.name, v.c_str()));
+            errno = 0;
+            char* end = nullptr;
+            unsigned long long x = strtoull(v.c_str(), &end, 10);
+            if (v.empty() || *end != '\0' || errno == ERANGE)
+                fail(strprintf("--%s: '%s' is not an unsigned integer", o.name, v.c_str()));
+            *(uint64_t*)o.ptr = x;
+            break;
+        }
+        case OptType::F64: *(double*)o.ptr = parse_f64(flag, v); break;
+        case OptType::STR: *(std::string*)o.ptr = v; break;
+        case OptType::BOOL:
+            if (v == "1" || v == "true") *(bool*)o.ptr = true;
+            else if (v == "0" || v == "false") *(bool*)o.ptr = false;
+            else fail(strprintf("--%s: '%s' is not a boolean (true/false/1/0)", o.name, v.c_str()));
+            break;
+        case OptType::I64_LIST: {
+            std::vector<int64_t> xs;
+            for (const std::string& p : split(v, ',')) xs.push_back(parse_i64(flag, p));
+            *(std::vector<int64_t>*)o.ptr = xs;
+            break;
+        }
+        case OptType::F64_LIST: {
+            std::vector<double> xs;
+            for (const std::string& p : split(v, ',')) xs.push_back(parse_f64(flag, p));
+            *(std::vector<double>*)o.ptr = xs;
+            break;
+        }
+    }
+}
+
+// Parses `--name value`, `--name=value` and a bare `--bool_flag`. Throws on unknown flags.
+static void parse_args(Hyperparameters& args, const std::vector<std::string>& argv) {
+    std::vector<Option> opts = options_of(args);
+    for (size_t i = 0; i < argv.size(); ++i) {
+        const std::string& a = argv[i];
+        if (a.rfind("--", 0) != 0) fail(strprintf("unexpected argument '%s' (flags look like --name value)", a.c_str()));
+        std::string name = a.substr(2), value;
+        bool has_value = false;
+        size_t eq = name.find('=');
+        if (eq != std::string::npos) {
+            value = name.substr(eq + 1);
+            name = name.substr(0, eq);
+            has_value = true;
+        }
+        auto it = std::find_if(opts.begin(), opts.end(), [&](const Option& o) { return name == o.name; });
+        if (it == opts.end()) fail(strprintf("unknown flag --%s (./train_gpt --help lists the flags)", name.c_str()));
+        if (!has_value) {
+            bool next_is_value = i + 1 < argv.size() && argv[i + 1].rfind("--", 0) != 0;
+            if (it->type == OptType::BOOL && !next_is_value) value = "true";
+            else if (!next_is_value) fail(strprintf("--%s needs a value", name.c_str()));
+            else value = argv[++i];
+        }
+        set_option(*it, value);
+    }
+}
+
+// Checks that the configuration can run at this world size; every message names the flag.
+static void validate_args(const Hyperparameters& a, int world_size) {
+    if (world_size < 1 || 8 % world_size != 0)
+        fail(strprintf("world size %d does not divide 8 (run on 1, 2, 4 or 8 GPUs)", world_size));
+    auto positive = [](const char* flag, int64_t v) {
+        if (v <= 0) fail(strprintf("--%s must be positive, got %lld", flag, (long long)v));
+    };
+    auto non_negative = [](const char* flag, int64_t v) {
+        if (v < 0) fail(strprintf("--%s must not be negative, got %lld", flag, (long long)v));
+    };
+    if (a.train_files.empty()) fail("--train_files must not be empty");
+    if (a.val_files.empty()) fail("--val_files must not be empty");
+    positive("train_max_seq_len", a.train_max_seq_len);
+    positive("block_size", a.block_size);
+    if (a.gemm_candidates < 1 || a.gemm_candidates > GEMM_MAX_CANDIDATES)
+        fail(strprintf("--gemm_candidates must be in 1..%d, got %lld", GEMM_MAX_CANDIDATES, (long long)a.gemm_candidates));
+    // 8 = world size x accumulation steps: every micro-batch holds whole max-length sequences
+    const int64_t unit = 8 * a.train_max_seq_len;
+    auto batch = [&](const char* flag, int64_t v) {
+        positive(flag, v);
+        if (v % unit != 0)
+            fail(strprintf("--%s: %lld is not divisible by 8 x train_max_seq_len = %lld", flag, (long long)v,
+                           (long long)unit));
+    };
+    if (a.train_bs_schedule.empty()) fail("--train_bs_schedule must hold at least one batch size");
+    for (int64_t bs : a.train_bs_schedule) batch("train_bs_schedule", bs);
+    batch("train_bs_extension", a.train_bs_extension);
+    batch("val_batch_size", a.val_batch_size);
+    positive("val_tokens", a.val_tokens);
+    if (a.val_tokens % a.val_batch_size != 0)
+        fail(strprintf("--val_tokens: %lld is not a multiple of --val_batch_size %lld", (long long)a.val_tokens,
+                       (long long)a.val_batch_size));
+    positive("num_scheduled_iterations", a.num_scheduled_iterations);
+    non_negative("num_extension_iterations", a.num_extension_iterations);
+    if (!(a.cooldown_frac > 0 && a.cooldown_frac <= 1))
+        fail(strprintf("--cooldown_frac must be in (0, 1], got %s", format_double(a.cooldown_frac).c_str()));
+    if (!(a.split_embed_frac > 0 && a.split_embed_frac <= 1))
+        fail(strprintf("--split_embed_frac must be in (0, 1], got %s", format_double(a.split_embed_frac).c_str()));
+    if (a.lr_max_schedule.empty()) fail("--lr_max_schedule must hold at least one value");
+    for (double v : a.lr_max_schedule)
+        if (v <= 0) fail(strprintf("--lr_max_schedule values must be positive, got %s", format_double(v).c_str()));
+    if (a.lr_min < 0) fail("--lr_min must not be negative");
+    positive("muon_warmup_steps", a.muon_warmup_steps);
+    positive("muon_cooldown_steps", a.muon_cooldown_steps);
+    if (!(a.momentum_min >= 0 && a.momentum_min < 1)) fail("--momentum_min must be in [0, 1)");
+    if (!(a.momentum_max >= 0 && a.momentum_max < 1)) fail("--momentum_max must be in [0, 1)");
+    for (auto [flag, v] : {std::pair<const char*, double>{"adam_lr", a.adam_lr}, {"adam_eps", a.adam_eps},
+                           {"normuon_lr", a.normuon_lr}, {"lm_head_x_s", a.lm_head_x_s},
+                           {"lm_head_w_s", a.lm_head_w_s}, {"lm_head_grad_s", a.lm_head_grad_s},
+                           {"softcap_a", a.softcap_a}, {"softcap_c", a.softcap_c},
+                           {"attn_scale_init", a.attn_scale_init}})
+        if (!(v > 0)) fail(strprintf("--%s must be positive, got %s", flag, format_double(v).c_str()));
+    if (a.adam_weight_decay < 0) fail("--adam_weight_decay must not be negative");
+    if (a.normuon_weight_decay < 0) fail("--normuon_weight_decay must not be negative");
+    if (!(a.normuon_beta2 >= 0 && a.normuon_beta2 < 1)) fail("--normuon_beta2 must be in [0, 1)");
+    non_negative("val_loss_every", a.val_loss_every);
+    non_negative("checkpoint_every", a.checkpoint_every);
+    non_negative("profile_steps", a.profile_steps);
+    positive("logit_chunk_rows", a.logit_chunk_rows);
+    if (a.logit_chunk_rows % 16) fail(strprintf("--logit_chunk_rows must be a multiple of 16 (fp8 GEMMs), got %lld", (long long)a.logit_chunk_rows));
+    if (a.ws_schedule.empty()) fail("--ws_schedule must hold at least one window");
+    for (int64_t w : a.ws_schedule) positive("ws_schedule", w);
+    positive("ws_final", a.ws_final);
+    positive("ws_validate_post_yarn_ext", a.ws_validate_post_yarn_ext);
+    if (a.yarn_beta <= a.yarn_alpha) fail("--yarn_beta must be larger than --yarn_alpha");
+    for (char c : a.run_id)
+        if (!(isalnum((unsigned char)c) || c == '-' || c == '_' || c == '.'))
+            fail(strprintf("--run_id '%s' may hold only letters, digits, '-', '_' and '.'", a.run_id.c_str()));
+}
 
 // -----------------------------------------------------------------------------
 // Self-logging. The two sources are embedded at build time (TRAIN_GPT_SRC_DIR is set by the
