@@ -54,22 +54,21 @@ extern char** environ;
 
 // -----------------------------------------------------------------------------
 // Hyperparameters: every number of record 61 that a researcher may want to change, with the
-// record's value as default. Each is a command-line flag of the same name (`--val_tokens 2097152`
-// or `--val_tokens=2097152`); lists are comma-separated (`--ws_schedule 3,7,11`). This one list
-// makes the struct's members, the flags, `--help` and the logged configuration: a new knob is one
-// line. Columns: flag type (I64, U64, F64, STR, BOOL, I64_LIST, F64_LIST), name, default, help.
+// record's value as default, then how to run it, then the few implementation choices. Each is a
+// command-line flag of the same name (`--val_tokens 2097152` or `--val_tokens=2097152`); lists are
+// comma-separated (`--ws_schedule 3,7,11`). These lists make the struct's members, the flags,
+// `--help` and the logged configuration (in these three groups): a new knob is one line.
+// Columns: flag type (I64, U64, F64, STR, BOOL, I64_LIST, F64_LIST), name, default, help.
 
-#define HYPERPARAMETERS(X)                                                                                          \
-    /* data */                                                                                                      \
-    X(STR, train_files, "data/fineweb10B/fineweb_train_*.bin", "train shards (glob, joined to $DATA_PATH)")          \
-    X(STR, val_files, "data/fineweb10B/fineweb_val_*.bin", "validation shards (glob, joined to $DATA_PATH)")         \
-    X(I64, val_tokens, 10485760, "validation tokens per evaluation (fixed for comparable runs)")                    \
+#define RECORD_HYPERPARAMETERS(X)                                                                                   \
     /* batch sizes (tokens per step over all ranks) */                                                              \
     X(I64_LIST, train_bs_schedule, LIST(8 * 2048 * 8, 16 * 2048 * 8, 24 * 2048 * 8),                                \
       "tokens/step, by equal parts of the scheduled steps")                                                         \
     X(I64, train_bs_extension, 24 * 2048 * 8, "tokens/step in the extension steps")                                 \
     X(I64, train_max_seq_len, 128 * 16, "documents are cut at this length")                                         \
     X(I64, val_batch_size, 4 * 64 * 1024 * 8, "validation tokens per step over all ranks")                          \
+    X(I64, val_tokens, 10485760, "validation tokens per evaluation (fixed for comparable runs)")                    \
+    X(I64, val_loss_every, 250, "validate every N steps (0: only at the end)")                                      \
     /* optimization */                                                                                              \
     X(I64, num_scheduled_iterations, 1725, "steps of the lr/window schedules")                                      \
     X(I64, num_extension_iterations, 40, "steps after the schedules, at the final lr and windows")                  \
@@ -95,18 +94,6 @@ extern char** environ;
     X(F64, softcap_a, 23.0, "logits soft-cap a*sigmoid((l+b)/c)")                                                   \
     X(F64, softcap_b, 5.0, "logits soft-cap offset b")                                                              \
     X(F64, softcap_c, 7.5, "logits soft-cap divisor c")                                                             \
-    /* evaluation and logging */                                                                                    \
-    X(STR, run_id, "", "log name logs/<run_id>.txt (default: a fresh uuid4)")                                       \
-    X(I64, val_loss_every, 250, "validate every N steps (0: only at the end)")                                      \
-    X(BOOL, save_checkpoint, false, "write a checkpoint at the end (logs/<run_id>/state_stepNNNNNN.bin)")          \
-    X(I64, checkpoint_every, 0, "write a checkpoint every N steps (0: never; SIGINT/SIGTERM always writes one)")  \
-    X(BOOL, early_reduce, false,                                                                                    \
-      "several GPUs: start the reduces inside the last micro-step's backward (backward_reduce_plan in the log)")    \
-    X(I64, profile_steps, 0, "time the parts of every Nth training step, by phase; a table at the end (0: off)")   \
-    X(BOOL, gemm_autotune, true,                                                                                    \
-      "time each GEMM shape's cuBLASLt candidates on its first call (false: the heuristic's first choice)")         \
-    X(I64, gemm_candidates, 8, "how many of cuBLASLt's heuristic candidates autotune times per GEMM shape (1-64)")  \
-    X(I64, logit_chunk_rows, 8192, "rows of logits the lm_head makes and the loss consumes at a time (a multiple of 16)") \
     /* attention masking (windows in blocks of block_size tokens) */                                                \
     X(I64, block_size, 128, "attention window unit in tokens")                                                      \
     X(I64_LIST, ws_schedule, LIST(3, 7, 11), "long window (blocks) by equal parts of the scheduled steps")          \
@@ -115,10 +102,33 @@ extern char** environ;
     /* 0.1, inspired by 0.12 from @leloykun and learnable scalars used by @brendanh0gan */                           \
     X(F64, attn_scale_init, 0.1, "attention softmax scale before YaRN updates")                                     \
     X(I64, yarn_alpha, 1, "YaRN interpolation ramp start (rotations)")                                              \
-    X(I64, yarn_beta, 32, "YaRN interpolation ramp end (rotations)")                                                \
-    /* trainer */                                                                                                   \
+    X(I64, yarn_beta, 32, "YaRN interpolation ramp end (rotations)")
+
+#define RUN_OPTIONS(X)                                                                                              \
+    X(STR, train_files, "data/fineweb10B/fineweb_train_*.bin", "train shards (glob, joined to $DATA_PATH)")          \
+    X(STR, val_files, "data/fineweb10B/fineweb_val_*.bin", "validation shards (glob, joined to $DATA_PATH)")         \
+    X(BOOL, cycle_data, false, "cycle the train files instead of stopping at their end (multi-epoch)")             \
     X(U64, seed, 0, "seed of the model initialisation")                                                             \
-    X(BOOL, cycle_data, false, "cycle the train files instead of stopping at their end (multi-epoch)")
+    X(STR, run_id, "", "log name logs/<run_id>.txt (default: a fresh uuid4)")                                       \
+    X(BOOL, save_checkpoint, false, "write a checkpoint at the end (logs/<run_id>/state_stepNNNNNN.bin)")          \
+    X(I64, checkpoint_every, 0, "write a checkpoint every N steps (0: never; SIGINT/SIGTERM always writes one)")  \
+    X(I64, profile_steps, 0, "time the parts of every Nth training step, by phase; a table at the end (0: off)")
+
+// Choices of how, not what: each keeps the math, and each is a choice because its best value
+// depends on the machine or the purpose of the run.
+#define IMPLEMENTATION_OPTIONS(X)                                                                                   \
+    X(BOOL, gemm_autotune, true,                                                                                    \
+      "time each GEMM shape's cuBLASLt candidates on its first call (false: the heuristic's first choice, the "     \
+      "same bits in every process)")                                                                                \
+    X(I64, gemm_candidates, 8, "how many of cuBLASLt's heuristic candidates autotune times per GEMM shape (1-64)")  \
+    X(I64, logit_chunk_rows, 8192,                                                                                  \
+      "rows of logits the lm_head makes and the loss consumes at a time (a multiple of 16; memory against "         \
+      "launches)")                                                                                                  \
+    X(BOOL, early_reduce, false,                                                                                    \
+      "several GPUs: start the reduces inside the last micro-step's backward (backward_reduce_plan in the log; "    \
+      "the same bits; its gain needs real GPUs to measure)")
+
+#define HYPERPARAMETERS(X) RECORD_HYPERPARAMETERS(X) RUN_OPTIONS(X) IMPLEMENTATION_OPTIONS(X)
 
 #define LIST(...) {__VA_ARGS__}
 enum class OptType { I64, U64, F64, STR, BOOL, I64_LIST, F64_LIST };
@@ -3242,12 +3252,20 @@ struct Option {
     OptType type;
     void* ptr;
     const char* help;
+    const char* group;  // the record's hyperparameters, running, implementation
 };
 
 // the flags of a Hyperparameters, in the list's order (the order of --help and of the log)
 static std::vector<Option> options_of(Hyperparameters& a) {
-#define OPTION_OF_HYPERPARAMETER(type, name, value, help) {#name, OptType::type, &a.name, help},
-    return {HYPERPARAMETERS(OPTION_OF_HYPERPARAMETER)};
+#define OPTION_OF_HYPERPARAMETER(type, name, value, help) {#name, OptType::type, &a.name, help, group},
+    std::vector<Option> opts;
+    const char* group = "the record's hyperparameters";
+    opts.insert(opts.end(), {RECORD_HYPERPARAMETERS(OPTION_OF_HYPERPARAMETER)});
+    group = "running";
+    opts.insert(opts.end(), {RUN_OPTIONS(OPTION_OF_HYPERPARAMETER)});
+    group = "implementation";
+    opts.insert(opts.end(), {IMPLEMENTATION_OPTIONS(OPTION_OF_HYPERPARAMETER)});
+    return opts;
 #undef OPTION_OF_HYPERPARAMETER
 }
 
@@ -3755,7 +3773,11 @@ static std::string configuration_text(Hyperparameters& a, int world_size, const 
     std::string s = "# configuration\n";
     s += "command_line = " + command_line + "\n";
     s += "DATA_PATH = " + data_path + "\n";
-    for (const Option& o : options_of(a)) s += std::string(o.name) + " = " + format_option(o) + "\n";
+    const char* group = nullptr;
+    for (const Option& o : options_of(a)) {
+        if (o.group != group) s += std::string("# ") + (group = o.group) + "\n";
+        s += std::string(o.name) + " = " + format_option(o) + "\n";
+    }
     auto list = [](const std::vector<int64_t>& v) {
         std::string r;
         for (int64_t x : v) r += (r.empty() ? "" : ",") + std::to_string(x);
@@ -4012,7 +4034,7 @@ static LoggedRun parse_logged_configuration(const std::string& block, const std:
     for (size_t i = 0; i < lines.size(); ++i) {
         const std::string& line = lines[i];
         const int no = first_line + (int)i;
-        if (line.empty()) continue;
+        if (line.empty() || line.rfind("# ", 0) == 0) continue;  // a group's heading
         const size_t eq = line.find(" = ");
         if (eq == std::string::npos) fail(strprintf("%s line %d is not 'key = value': '%s'", where.c_str(), no, line.c_str()));
         const std::string key = line.substr(0, eq), value = line.substr(eq + 3);
@@ -4205,9 +4227,12 @@ static void print_help() {
            "       mpirun -np N ./train_gpt --resume CKPT [flags] continue from a checkpoint\n"
            "       ./train_gpt --print-source                  print the embedded sources\n"
            "       ./train_gpt --diff-logs A.txt B.txt          compare two logs: summary, then diffs (exit 0/1/2)\n"
-           "Data files are found at $DATA_PATH/<train_files|val_files> (DATA_PATH defaults to '.').\n\nflags (default):\n");
-    for (const Option& o : options_of(defaults))
+           "Data files are found at $DATA_PATH/<train_files|val_files> (DATA_PATH defaults to '.').\n");
+    const char* group = nullptr;
+    for (const Option& o : options_of(defaults)) {
+        if (o.group != group) printf("\n%s (default):\n", group = o.group);
         printf("  --%-28s %s (%s)\n", o.name, o.help, format_option(o).c_str());
+    }
 }
 
 // -----------------------------------------------------------------------------
