@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch a run: build if a source changed, check the GPUs and the data, then one process per GPU.
+# Launch a run: check the GPUs, the data and the flags, build if a source changed, then one process per GPU.
 #   ./run.sh                                    record 61 on every GPU (1, 2, 4 or 8), data in ./data/fineweb10B
 #   NGPU=1 ./run.sh --val_tokens 2097152
 #   ./run.sh --help                             this launcher's usage, then the trainer's flags
@@ -13,8 +13,9 @@ usage: [NGPU=N] [DATA_PATH=DIR] ./run.sh [--flag value ...]
        [NGPU=N] ./run.sh --resume CHECKPOINT [--flag ...]    continue a stopped run
        ./run.sh --help | --print-source | --diff-logs A.txt B.txt   (the trainer's, no mpirun)
 
-Builds ./train_gpt where a source is newer (make -s train_gpt), checks that the train and
-validation files exist, then runs mpirun -np NGPU ./train_gpt with every argument passed on.
+Checks the GPUs, that the train and validation files exist and the flags' names, then builds
+./train_gpt where a source is newer (make -s train_gpt) and runs mpirun -np NGPU ./train_gpt with
+every argument passed on.
 
   NGPU       processes, one GPU each: 1, 2, 4 or 8 (8/NGPU gradient accumulation steps, the same
              batch at any count). Default: the most of 1, 2, 4, 8 that nvidia-smi -L lists.
@@ -32,17 +33,25 @@ EOF
 }
 
 # make decides whether a source is newer; its output goes to stderr so --print-source stays clean
-if ! make -q --no-print-directory train_gpt 2>/dev/null; then echo "run.sh: building ./train_gpt (make -s train_gpt)" >&2; fi
-make -s --no-print-directory train_gpt >&2 || exit $?
+build() {
+    if ! make -q --no-print-directory train_gpt 2>/dev/null; then echo "run.sh: building ./train_gpt (make -s train_gpt)" >&2; fi
+    make -s --no-print-directory train_gpt >&2 || exit $?
+}
 
 # the trainer's own modes need no GPU, no data and no mpirun
 case "${1:-}" in
     --help | -h)
+        build
         usage
         exec ./train_gpt --help
         ;;
-    --print-source | --diff-logs) exec ./train_gpt "$@" ;;
+    --print-source | --diff-logs)
+        build
+        exec ./train_gpt "$@"
+        ;;
 esac
+# A run: the GPUs, the data and the flags' names are checked before the build (a minute); the
+# trainer checks the values, a --rerun log and a --resume checkpoint before it touches a GPU.
 
 if [ -n "${NGPU:-}" ]; then
     case "$NGPU" in
@@ -100,6 +109,24 @@ if [ ${#check[@]} -gt 0 ]; then
     echo "run.sh: check ${check[*]} and DATA_PATH (a relative pattern is joined to DATA_PATH)" >&2
 fi
 [ "$missing" = 0 ] || exit 1
+
+# the flags' names, from the lists in train_gpt.cu that make them
+known=$(sed -n 's/^ *X([A-Z0-9_]*, *\([a-z0-9_]*\),.*/\1/p' train_gpt.cu)
+first=0
+case "${1:-}" in --rerun | --resume) first=2 ;; esac
+for ((i = first; i < ${#args[@]}; i++)); do
+    a=${args[i]}
+    case "$a" in
+        --*) name=${a#--} name=${name%%=*} ;;
+        *) continue ;;  # a value
+    esac
+    if ! grep -qx -- "$name" <<<"$known"; then
+        echo "run.sh: unknown flag --$name (./run.sh --help lists the flags)" >&2
+        exit 1
+    fi
+done
+
+build
 
 # mpirun refuses root without these (containers run as root)
 if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi

@@ -2,13 +2,15 @@
 # Runs that repeat and resume, on a GPU (make test-gpu): a short run with checkpoints; --rerun of its
 # log (the same validation losses, bit for bit); the rerun stopped by SIGTERM after step 10 and
 # resumed from its checkpoint (the uninterrupted run's losses); the NaN stop; --diff-logs of real
-# logs. Needs a GPU and the textmix shards (TEST_DATA, default data/textmix); skips without them.
+# logs. Needs a GPU and shards in $TEST_DATA (a folder of *_train_*.bin and *_val_*.bin; make
+# test-gpu sets it: FineWeb's first shards where present, else data/textmix); skips without them.
 #   bash tests/test_resume.sh            last line "N passed, N failed"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 data=${TEST_DATA:-data/textmix}
-if ! nvidia-smi -L >/dev/null 2>&1 || ! compgen -G "$data/textmix_train_*.bin" >/dev/null; then
-    echo "SKIP: test_resume needs a GPU and $data/textmix_{train,val}_*.bin"
+case "$data" in /*) ;; *) data=$PWD/$data ;; esac
+if ! nvidia-smi -L >/dev/null 2>&1 || ! compgen -G "$data/*_train_*.bin" >/dev/null || ! compgen -G "$data/*_val_*.bin" >/dev/null; then
+    echo "SKIP: test_resume needs a GPU and shards $data/*_{train,val}_*.bin (TEST_DATA; FineWeb's first: python3 data/cached_fineweb10B.py 1)"
     echo "0 passed, 0 failed"
     exit 0
 fi
@@ -21,7 +23,7 @@ check() {
 vals() { grep -E '^step:[0-9]+/[0-9]+ val_loss' "$1" | sed 's/ train_time.*//'; }
 id=test_resume_$$
 set -f
-flags=(--train_files "$PWD/$data/textmix_train_*.bin" --val_files "$PWD/$data/textmix_val_*.bin" --val_tokens 2097152
+flags=(--train_files "$data/*_train_*.bin" --val_files "$data/*_val_*.bin" --val_tokens 2097152
        --cycle_data --num_scheduled_iterations 21 --num_extension_iterations 0 --val_loss_every 7 --checkpoint_every 7)
 set +f
 out=$(mktemp -d)

@@ -73,10 +73,20 @@ sys.exit(0 if "./train_gpt" in lines and lines[lines.index("./train_gpt") + 1:] 
 EOF
 }
 
-# --- the build: a stale trainer is rebuilt (once), an up-to-date one prints nothing
+# --- the build: a stale trainer is rebuilt (once), an up-to-date one prints nothing; a run that
+# cannot start (no GPU, no data, an unknown flag) says so before it builds
 before=$(stat -c %Y train_gpt 2>/dev/null || echo 0)
 sleep 1 # a new mtime is a different second
 touch train_gpt.cu
+run FAKE_GPUS=0 DATA_PATH="$tmp/data" ./run.sh
+check "stale trainer, no GPU: the one line, no build" out_is "run.sh: no NVIDIA GPU or driver found (nvidia-smi -L lists none); the trainer needs a Hopper GPU"
+run NGPU=1 DATA_PATH="$tmp/empty" ./run.sh
+check "stale trainer, no data: no build" not has "building"
+run NGPU=1 DATA_PATH="$tmp/data" ./run.sh --val_tokens 2097152 --no_such_flag=3
+check "unknown flag: exit 1" [ "$rc" = 1 ]
+check "unknown flag: the one line, no build" out_is "run.sh: unknown flag --no_such_flag (./run.sh --help lists the flags)"
+check "unknown flag: no mpirun" not_launched
+check "still stale after them" not make -q train_gpt
 rm -f "$tmp/mpirun.args"
 env PATH="$tmp/bin:$real_path" FAKE_DIR="$tmp" ./run.sh --print-source >"$tmp/src" 2>"$tmp/out"
 rc=$?
