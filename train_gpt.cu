@@ -495,53 +495,20 @@ class Gemms {
     size_t cached_plans() const { return plans_.size(); }
     // The GEMM plan: each shape called so far and its algorithm, one line each ("gemm SHAPE = ALGO
     // (note)"), for the log; a rerun or a resumed run follows it instead of timing anything.
-    std::string plan_text() const {
-        std::string s;
-        for (const auto& [key, p] : plans_) {
-            const double tflop = 2e-12 * key.m * key.n * key.k * key.batch;  // per call, for the rate
-            std::string note = fixed_ ? "given"
-                               : p.tuned_ms_first > 0
-                                   ? strprintf("tuned: %.4f ms, %.0f TFLOP/s; first choice %.4f ms", p.tuned_ms_best,
-                                               tflop / (p.tuned_ms_best * 1e-3), p.tuned_ms_first)
-                                   : "first choice";
-            s += "gemm " + key_text(key) + " = " + algo_hex(p.candidates.front()) + " (" + note + ")\n";
-        }
-        return s;
-    }
+    std::string plan_text() const;
     // Follow a plan (lines as plan_text writes them; others are refused): no timing from now on.
-    void set_plan(const std::string& text) {
-        std::map<std::string, cublasLtMatmulAlgo_t> plan = parse_plan(text);
-        if (!plans_.empty()) fail("set_plan: GEMMs have already run");
-        fixed_plan_ = std::move(plan);
-        fixed_ = true;
-    }
+    void set_plan(const std::string& text);
     // After the warmup: a shape first seen later takes the heuristic's first choice, untimed, so a
     // rerun that follows the logged plan makes the same choice.
     void freeze() { frozen_ = true; }
     // Several ranks: every rank takes rank 0's choices (plan_text lines) for the shapes it has run,
     // so all ranks run the logged plan.
-    void adopt_plan(const std::string& text) {
-        const std::map<std::string, cublasLtMatmulAlgo_t> plan = parse_plan(text);
-        for (auto& [key, p] : plans_) {
-            auto it = plan.find(key_text(key));
-            if (it != plan.end()) p.candidates = {it->second};
-        }
-    }
+    void adopt_plan(const std::string& text);
     int unplanned_shapes() const { return unplanned_; }
 
     // what tuning found: shapes timed, how many left the heuristic's first choice, and the time one
     // call of each shape saves, summed
-    std::string tuning_report() const {
-        int tuned = 0, changed = 0;
-        double saved = 0;
-        for (const auto& [key, p] : plans_) {
-            tuned += p.tuned_ms_first > 0;
-            changed += p.tuned_ms_first > p.tuned_ms_best;
-            saved += p.tuned_ms_first - p.tuned_ms_best;
-        }
-        return strprintf("%d GEMM shapes tuned, %d faster than cuBLASLt's first choice (%.3f ms per call of each, summed)",
-                         tuned, changed, saved);
-    }
+    std::string tuning_report() const;
 
    private:
     struct Key {
@@ -574,208 +541,35 @@ class Gemms {
         return a;
     }
 
-    static void release(Plan& p) {
-        if (p.desc) CUBLAS_CHECK(cublasLtMatmulDescDestroy(p.desc));
-        for (cublasLtMatrixLayout_t l : {p.a, p.b, p.c})
-            if (l) CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(l));
-    }
+    static void release(Plan& p);
 
     // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLASLt's A is our B.
-    Plan& plan(const Key& key) {
-        auto it = plans_.find(key);
-        if (it != plans_.end()) return it->second;
-        Plan p;
-        const bool fp8 = key.ta != CUDA_R_16BF;
-        CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-        cublasOperation_t ta = key.opb == Op::T ? CUBLAS_OP_T : CUBLAS_OP_N;
-        cublasOperation_t tb = key.opa == Op::T ? CUBLAS_OP_T : CUBLAS_OP_N;
-        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-        if (fp8) {
-            int8_t fast = key.fast_accum ? 1 : 0;
-            CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof fast));
-        }
-        // stored shapes, column-major: our B is n x k (op T) or k x n (op N) in row-major terms
-        CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, key.tb, key.opb == Op::N ? key.n : key.k,
-                                                key.opb == Op::N ? key.k : key.n, key.ldb));
-        CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, key.ta, key.opa == Op::N ? key.k : key.m,
-                                                key.opa == Op::N ? key.m : key.k, key.lda));
-        CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, key.tc, key.n, key.m, key.ldc));
-        if (key.batch > 1) {
-            const std::pair<cublasLtMatrixLayout_t, int64_t> layouts[] = {{p.a, key.stride_b}, {p.b, key.stride_a}, {p.c, key.stride_c}};
-            for (auto [layout, stride] : layouts) {
-                CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &key.batch, sizeof key.batch));
-                CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride));
-            }
-        }
-        cublasLtMatmulPreference_t pref;
-        CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                          &workspace_bytes_, sizeof workspace_bytes_));
-        uint32_t aa = key.align_b, ab = key.align_a, ac = key.align_c;  // cuBLASLt's A is our B
-        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aa, sizeof aa));
-        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ab, sizeof ab));
-        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ac, sizeof ac));
-        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac, sizeof ac));
-        if (fp8) {  // the heuristic must see scaling; the real scale pointers are set per call
-            const void* any = workspace_;
-            CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &any, sizeof any));
-            CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &any, sizeof any));
-        }
-        cublasLtMatmulHeuristicResult_t results[GEMM_MAX_CANDIDATES];
-        int found = 0;
-        CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, p.desc, p.a, p.b, p.c, p.c, pref, candidates_, results, &found));
-        CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
-        for (int i = 0; i < found; ++i) p.candidates.push_back(results[i].algo);
-        if (found == 0) fatal("cuBLASLt has no algorithm for a " + describe(key));
-        if (fixed_ || frozen_) {  // no timing: the given plan's algorithm, else the heuristic's first choice
-            p.tuned = true;
-            auto it = fixed_plan_.find(key_text(key));
-            if (it != fixed_plan_.end()) p.candidates = {it->second};
-            else unplanned_ += fixed_;
-        }
-        return plans_.emplace(key, p).first->second;
-    }
+    Plan& plan(const Key& key);
 
     // a shape as the plan names it (every field of the key: the same text means the same call)
-    static std::string key_text(const Key& k) {
-        auto type = [](cudaDataType t) {
-            return t == CUDA_R_16BF ? "bf16" : t == CUDA_R_32F ? "f32" : t == CUDA_R_8F_E4M3 ? "e4m3" : "e5m2";
-        };
-        return strprintf("%s,%s,%s %c%c m=%d n=%d k=%d ld=%lld,%lld,%lld fast=%d align=%d,%d,%d batch=%d stride=%lld,%lld,%lld",
-                         type(k.ta), type(k.tb), type(k.tc), k.opa == Op::N ? 'N' : 'T', k.opb == Op::N ? 'N' : 'T', k.m,
-                         k.n, k.k, (long long)k.lda, (long long)k.ldb, (long long)k.ldc, (int)k.fast_accum, k.align_a,
-                         k.align_b, k.align_c, k.batch, (long long)k.stride_a, (long long)k.stride_b, (long long)k.stride_c);
-    }
+    static std::string key_text(const Key& k);
     // plan_text's lines back: shape text -> algorithm (a malformed or repeated line is refused)
-    static std::map<std::string, cublasLtMatmulAlgo_t> parse_plan(const std::string& text) {
-        std::map<std::string, cublasLtMatmulAlgo_t> plan;
-        int line_no = 0;
-        for (const std::string& line : split(text, '\n')) {
-            ++line_no;
-            if (line.empty()) continue;
-            const size_t eq = line.find(" = "), paren = line.find(" (", eq == std::string::npos ? 0 : eq);
-            cublasLtMatmulAlgo_t algo;
-            if (line.rfind("gemm ", 0) != 0 || eq == std::string::npos || paren == std::string::npos || line.back() != ')' ||
-                !parse_algo_hex(line.substr(eq + 3, paren - eq - 3), algo))
-                fail(strprintf("GEMM plan line %d is not 'gemm SHAPE = ALGORITHM (note)': %s", line_no, line.c_str()));
-            if (!plan.emplace(line.substr(5, eq - 5), algo).second)
-                fail(strprintf("GEMM plan line %d names a shape twice: %s", line_no, line.c_str()));
-        }
-        return plan;
-    }
-    static std::string algo_hex(const cublasLtMatmulAlgo_t& a) {
-        std::string s;
-        for (uint64_t w : a.data) s += strprintf("%016llx", (unsigned long long)w);
-        return s;
-    }
-    static bool parse_algo_hex(const std::string& h, cublasLtMatmulAlgo_t& a) {
-        if (h.size() != 16 * std::size(a.data)) return false;
-        for (size_t i = 0; i < std::size(a.data); ++i) {
-            uint64_t w = 0;
-            for (char c : h.substr(16 * i, 16)) {
-                const int d = isdigit((unsigned char)c) ? c - '0' : (c >= 'a' && c <= 'f') ? c - 'a' + 10 : -1;
-                if (d < 0) return false;
-                w = w * 16 + d;
-            }
-            a.data[i] = w;
-        }
-        return true;
-    }
+    static std::map<std::string, cublasLtMatmulAlgo_t> parse_plan(const std::string& text);
+    static std::string algo_hex(const cublasLtMatmulAlgo_t& a);
+    static bool parse_algo_hex(const std::string& h, cublasLtMatmulAlgo_t& a);
 
-    static std::string describe(const Key& key) {
-        return strprintf("%s GEMM of m=%d n=%d k=%d (lda %lld ldb %lld ldc %lld)", key.ta == CUDA_R_16BF ? "bf16" : "fp8",
-                         key.m, key.n, key.k, (long long)key.lda, (long long)key.ldb, (long long)key.ldc);
-    }
+    static std::string describe(const Key& key);
 
     // bytes from D's first element to its last (batches included)
-    static size_t extent_bytes(const Key& key) {
-        const size_t elem = key.tc == CUDA_R_32F ? 4 : 2;
-        return elem * ((size_t)(key.batch - 1) * key.stride_c + (size_t)(key.m - 1) * key.ldc + key.n);
-    }
+    static size_t extent_bytes(const Key& key);
 
     // On a shape's first call: time each candidate on this call's operands (one warm-up run, then the
     // best of three) and put the fastest first. A candidate that does not run here is dropped. Where
     // the call accumulates into D (beta != 0, C == D), D is saved first and restored after.
     void tune(cudaStream_t stream, const Key& key, Plan& p, const void* A, const void* B, const void* C, void* D,
-              float alpha, float beta) {
-        p.tuned = true;
-        if (!autotune_ || p.candidates.size() < 2) return;
-        void* saved = nullptr;
-        const size_t bytes = extent_bytes(key);
-        if (beta != 0.f && C == D) {
-            CUDA_CHECK(cudaMalloc(&saved, bytes));
-            CUDA_CHECK(cudaMemcpyAsync(saved, D, bytes, cudaMemcpyDeviceToDevice, stream));
-        }
-        cudaEvent_t ev[2];
-        for (cudaEvent_t& e : ev) CUDA_CHECK(cudaEventCreate(&e));
-        std::vector<std::pair<float, cublasLtMatmulAlgo_t>> timed;
-        for (size_t i = 0; i < p.candidates.size(); ++i) {
-            const cublasLtMatmulAlgo_t& algo = p.candidates[i];
-            auto call = [&] {
-                return cublasLtMatmul(lt_, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, D, p.c, &algo,
-                                      workspace(stream), workspace_bytes_, stream);
-            };
-            cublasStatus_t st = call();
-            if (st == CUBLAS_STATUS_NOT_SUPPORTED) continue;
-            if (st != CUBLAS_STATUS_SUCCESS)
-                fatal(strprintf("cublasLtMatmul failed for a %s: %s", describe(key).c_str(), cublasLtGetStatusString(st)));
-            float best = 1e30f;
-            for (int rep = 0; rep < 3; ++rep) {
-                CUDA_CHECK(cudaEventRecord(ev[0], stream));
-                CUBLAS_CHECK(call());
-                CUDA_CHECK(cudaEventRecord(ev[1], stream));
-                CUDA_CHECK(cudaEventSynchronize(ev[1]));
-                float ms;
-                CUDA_CHECK(cudaEventElapsedTime(&ms, ev[0], ev[1]));
-                best = std::min(best, ms);
-            }
-            if (i == 0) p.tuned_ms_first = best;
-            timed.push_back({best, algo});
-        }
-        for (cudaEvent_t e : ev) CUDA_CHECK(cudaEventDestroy(e));
-        if (saved) {
-            CUDA_CHECK(cudaMemcpyAsync(D, saved, bytes, cudaMemcpyDeviceToDevice, stream));
-            CUDA_CHECK(cudaStreamSynchronize(stream));
-            CUDA_CHECK(cudaFree(saved));
-        }
-        if (timed.empty()) fatal("no cuBLASLt algorithm runs a " + describe(key));
-        std::stable_sort(timed.begin(), timed.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
-        if (p.tuned_ms_first == 0) p.tuned_ms_first = timed.front().first;  // the first choice did not run
-        p.tuned_ms_best = timed.front().first;
-        p.candidates.clear();
-        for (auto& [ms, algo] : timed) p.candidates.push_back(algo);
-    }
+              float alpha, float beta);
 
     // The chosen algorithm, or (once, on the first call) the next candidate where a choice turns out
     // not to run with these arguments.
     void run(cudaStream_t stream, const Key& key, const void* A, const void* B, const void* C, void* D, float alpha,
-             float beta, const float* scale_a, const float* scale_b) {
-        Plan& p = plan(key);
-        if (scale_a) {  // cuBLASLt's A is our B
-            CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_b, sizeof scale_b));
-            CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_a, sizeof scale_a));
-        }
-        if (!p.tuned) tune(stream, key, p, A, B, C, D, alpha, beta);
-        // profiled: the model's GEMMs are a part of their own; the head's and the optimizer's count
-        // as those parts
-        const Part outer = profiled_part();
-        ProfiledPart part(outer == Part::Head || outer == Part::Optimizer ? outer : Part::Gemm, stream,
-                          2.0 * key.m * key.n * key.k * key.batch, key.ta != CUDA_R_16BF);
-        while (true) {
-            cublasStatus_t st = cublasLtMatmul(lt_, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, D, p.c,
-                                               &p.candidates.front(), workspace(stream), workspace_bytes_, stream);
-            if (st == CUBLAS_STATUS_SUCCESS) return;
-            if (st != CUBLAS_STATUS_NOT_SUPPORTED || p.candidates.size() == 1)
-                fatal(strprintf("cublasLtMatmul failed for a %s: %s", describe(key).c_str(), cublasLtGetStatusString(st)));
-            p.candidates.erase(p.candidates.begin());
-        }
-    }
+             float beta, const float* scale_a, const float* scale_b);
 
-    void* workspace(cudaStream_t stream) const {
-        auto it = stream_workspaces_.find(stream);
-        return it == stream_workspaces_.end() ? workspace_ : it->second;
-    }
+    void* workspace(cudaStream_t stream) const;
 
     const bool autotune_;
     const int candidates_;
@@ -790,9 +584,9 @@ class Gemms {
 };
 
 // -----------------------------------------------------------------------------
-// Optimizer (NorMuonAndAdam): one optimizer configured per parameter by a table, no parameter
-// groups (record 61). This part is the table, the orders, and how each parameter is sharded over
-// the ranks; the update kernels and the communication come with the optimizer itself.
+// Optimizer (NorMuonAndAdam), the table: one optimizer configured per parameter by a table, no
+// parameter groups (record 61). This part is the table, the orders, how each parameter is sharded
+// over the ranks and where it lives (ParamStore); the optimizer itself follows the model.
 //   Muon (MomentUm Orthogonalized by Newton-Schulz, https://kellerjordan.github.io/posts/muon/)
 //   with Polar Express in place of Newton-Schulz, NorMuon's low-rank variance estimator
 //   (https://arxiv.org/pdf/2510.05491), cautious weight decay and mantissa tracking, for the
@@ -1127,438 +921,6 @@ class ParamStore {
    private:
     std::vector<Param> params_;
     std::vector<void*> initial_;
-};
-
-// Polar Express (Amsel, Persson, Musco, Gower, arXiv 2505.16932): 5 fixed iterations
-// X <- a X + (b A + c A A) X with A = X X^T, in bf16, on the wide orientation of each matrix,
-// after Frobenius normalisation (x 1.02 + 1e-6). Coefficients of record 61 (num_iters 5, safety
-// factor 2e-2, cushion 2).
-static const float polar_express_coeffs[5][3] = {
-    {8.156554524902461f, -22.48329292557795f, 15.878769915207462f},
-    {4.042929935166739f, -2.808917465908714f, 0.5000178451051316f},
-    {3.8916678022926607f, -2.772484153217685f, 0.5060648178503393f},
-    {3.285753657755655f, -2.3681294933425376f, 0.46449024233003106f},
-    {2.3465413258596377f, -1.7097828382687081f, 0.42323551169305323f}};
-
-class PolarExpress {
-   public:
-    // for batches of up to `count` matrices of rows x cols
-    PolarExpress(int count, int rows, int cols) : count_(count), rows_(rows), cols_(cols) {
-        const int64_t n = (int64_t)count * rows * cols, m = std::min(rows, cols);
-        CUDA_CHECK(cudaMalloc(&x_[0], n * sizeof(__nv_bfloat16)));
-        CUDA_CHECK(cudaMalloc(&x_[1], n * sizeof(__nv_bfloat16)));
-        CUDA_CHECK(cudaMalloc(&a_, (int64_t)count * m * m * sizeof(__nv_bfloat16)));
-        CUDA_CHECK(cudaMalloc(&b_, (int64_t)count * m * m * sizeof(__nv_bfloat16)));
-        CUDA_CHECK(cudaMalloc(&partial_, (int64_t)count * opt::NORM_BLOCKS * sizeof(float)));
-    }
-    ~PolarExpress() {
-        for (void* p : {(void*)x_[0], (void*)x_[1], (void*)a_, (void*)b_, (void*)partial_}) CUDA_CHECK(cudaFree(p));
-    }
-    PolarExpress(const PolarExpress&) = delete;
-    PolarExpress& operator=(const PolarExpress&) = delete;
-
-    // out (bf16, count x rows x cols) = the orthogonalised g (fp32, same shape)
-    void run(Gemms& gemms, const float* g, __nv_bfloat16* out, int count, cudaStream_t stream) {
-        if (count > count_) fatal(strprintf("PolarExpress: %d matrices, room for %d", count, count_));
-        const bool tall = rows_ > cols_;
-        const int m = std::min(rows_, cols_), n = std::max(rows_, cols_);  // X is m x n, wide
-        const int64_t mn = (int64_t)m * n, mm = (int64_t)m * m;
-        CUDA_CHECK(frobenius_normalize(g, x_[0], count, mn, partial_, stream));
-        __nv_bfloat16* x = x_[0];
-        __nv_bfloat16* next = x_[1];
-        if (tall) {
-            CUDA_CHECK(transpose_bf16(x_[0], x_[1], count, rows_, cols_, stream));
-            std::swap(x, next);
-        } else {
-            next = out;  // the 5 iterations end in out
-        }
-        for (int it = 0; it < 5; ++it) {
-            const float a = polar_express_coeffs[it][0], b = polar_express_coeffs[it][1], c = polar_express_coeffs[it][2];
-            sym::Params sp{x, mn, n, nullptr, 0, 0, a_, mm, m, m, n, 1.f, 0.f};
-            CUDA_CHECK(symmetric_product(sp, count, stream));  // A = X X^T
-            sym::Params sq{a_, mm, m, a_, mm, m, b_, mm, m, m, m, c, b};
-            CUDA_CHECK(symmetric_product(sq, count, stream));  // B = b A + c A A
-            gemms.bf16_batched(stream, count, Op::N, Op::N, m, n, m, b_, m, mm, x, n, mn, x, next, n, mn, 1.f, a);
-            std::swap(x, next);
-        }
-        if (tall) CUDA_CHECK(transpose_bf16(x, out, count, m, n, stream));
-    }
-
-   private:
-    int count_, rows_, cols_;
-    __nv_bfloat16* x_[2] = {nullptr, nullptr};
-    __nv_bfloat16 *a_ = nullptr, *b_ = nullptr;
-    float* partial_ = nullptr;
-};
-
-// NCCL over the MPI ranks, from rank 0's unique id broadcast over MPI; none at world size 1.
-static ncclComm_t nccl_init(int rank, int world_size) {
-    if (world_size == 1) return nullptr;
-    ncclUniqueId id;
-    if (rank == 0) NCCL_CHECK(ncclGetUniqueId(&id));
-    MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD));
-    ncclComm_t comm = nullptr;
-    NCCL_CHECK(ncclCommInitRank(&comm, world_size, id, rank));
-    return comm;
-}
-
-// The optimizer step of record 61. In work_order, per parameter: Adam (on odd steps; the gradients
-// of Adam parameters accumulate over two steps) or NorMuon (every step). While embed is tied to
-// lm_head, embed's gradient is added transposed into lm_head's before the update and embed is
-// written as lm_head^T after it; at the untie step lm_head's Adam state moves, transposed, to embed.
-// On several GPUs the step follows step_plan: NCCL reduces on their own stream in scatter_order,
-// each update waits only for its own reduce, each sharded update's all-gather starts as soon as it
-// is done, and the compute stream waits for every gather before the next forward pass.
-class NorMuonAndAdam {
-   public:
-    // comm: NCCL over the ranks; nullptr at world size 1 (no NCCL calls at all)
-    NorMuonAndAdam(ParamStore& params, Gemms& gemms, const Hyperparameters& a, int world_size, int rank,
-                   ncclComm_t comm = nullptr)
-        : gemms_(gemms), comm_(comm) {
-        if ((world_size > 1) != (comm != nullptr))
-            fail(strprintf("optimizer: world size %d needs %s NCCL communicator", world_size, comm ? "no" : "an"));
-        configs_ = build_param_configs(a, model_params(world_size), world_size, rank);
-        world_size_ = world_size;
-        for (const ParamConfig& c : configs_) {
-            State st;
-            st.cfg = c;
-            st.p = &params[c.label];
-            const int64_t n = c.chunk_numel();
-            st.offset = c.comms == Comms::Sharded ? rank * n : 0;
-            if (c.optim == Optim::Adam) {
-                st.m = alloc<float>(n), st.v = alloc<float>(n);
-            } else {
-                st.buf = alloc<float>(n), st.mant = alloc<uint16_t>(n);
-                st.sm = alloc<float>(c.second_moment_shape[0] * c.second_moment_shape[1] * c.second_moment_shape[2]);
-                st.lrs = alloc<float>(c.chunk_size);
-                st.var_ws = alloc<float>(normuon_variance_workspace((int)c.chunk_size, (int)c.chunk_shape[1]));
-                st.pe = std::make_unique<PolarExpress>((int)c.chunk_size, (int)c.chunk_shape[1], (int)c.chunk_shape[2]);
-                scratch_ = std::max(scratch_, n);
-            }
-            if (comm_)
-                for (cudaEvent_t* e : {&st.reduced, &st.updated, &st.gathered})
-                    CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
-            states_.push_back(std::move(st));
-        }
-        g32_ = alloc<float>(scratch_), v_ = alloc<__nv_bfloat16>(scratch_);
-        if (comm_) {
-            CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
-            CUDA_CHECK(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
-            CUDA_CHECK(cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming));
-        }
-        reset(0);
-        CUDA_CHECK(cudaDeviceSynchronize());
-    }
-    ~NorMuonAndAdam() {
-        if (!comm_) return;
-        CUDA_CHECK(cudaStreamSynchronize(comm_stream_));
-        for (State& st : states_)
-            for (cudaEvent_t e : {st.reduced, st.updated, st.gathered}) CUDA_CHECK(cudaEventDestroy(e));
-        CUDA_CHECK(cudaEventDestroy(compute_done_));
-        CUDA_CHECK(cudaEventDestroy(comm_done_));
-        CUDA_CHECK(cudaStreamDestroy(comm_stream_));
-    }
-    NorMuonAndAdam(const NorMuonAndAdam&) = delete;
-    NorMuonAndAdam& operator=(const NorMuonAndAdam&) = delete;
-
-    // lr_mult: get_lr(step); momentum: get_muon_momentum(step); do_adam: is_adam_step(step)
-    void step(double lr_mult, double momentum, bool do_adam, cudaStream_t s) {
-        State& lm = state("lm_head");
-        State& em = state("embed");
-        if (comm_) after(s, comm_stream_);  // the gradients are final
-        for (const PlanStep& p : step_plan(configs_, do_adam, split_)) {
-            const bool reduce = p.op == PlanOp::AllReduce || p.op == PlanOp::ReduceScatter;
-            if (reduce && reduced_early_.count(p.label)) continue;  // started inside the backward
-            switch (p.op) {
-                case PlanOp::AddTransposed:  // tied: embed's gradient joins lm_head's before its reduce
-                    timed(transpose_t_, s, [&] {
-                        CUDA_CHECK(transpose(bf(em.p->grad), bf(lm.p->grad), 1, PADDED_VOCAB_SIZE, MODEL_DIM, true, s));
-                    });
-                    if (comm_) after(s, comm_stream_);
-                    break;
-                case PlanOp::AllReduce: {
-                    State& st = state(p.label);
-                    timed(comm_t_, comm_stream_, [&] {
-                        NCCL_CHECK(ncclAllReduce(st.p->grad, st.p->grad, st.p->shape.numel(), nccl_type(st), ncclAvg,
-                                                 comm_, comm_stream_));
-                    });
-                    CUDA_CHECK(cudaEventRecord(st.reduced, comm_stream_));
-                    break;
-                }
-                case PlanOp::ReduceScatter: {  // in place: this rank's chunk of the gradient holds the average
-                    State& st = state(p.label);
-                    timed(comm_t_, comm_stream_, [&] {
-                        NCCL_CHECK(ncclReduceScatter(st.p->grad, chunk(st, st.p->grad), st.cfg.chunk_numel(),
-                                                     nccl_type(st), ncclAvg, comm_, comm_stream_));
-                    });
-                    CUDA_CHECK(cudaEventRecord(st.reduced, comm_stream_));
-                    break;
-                }
-                case PlanOp::Update: {
-                    State& st = state(p.label);
-                    if (comm_) timed(wait_t_, s, [&] { CUDA_CHECK(cudaStreamWaitEvent(s, st.reduced)); });
-                    if (st.cfg.optim == Optim::Adam) timed(adam_t_, s, [&] { adam(st, lr_mult, s); });
-                    else timed(normuon_t_, s, [&] { normuon(st, lr_mult, momentum, s); });
-                    break;
-                }
-                case PlanOp::AllGather: {  // in place: every rank's updated chunk to every rank
-                    State& st = state(p.label);
-                    CUDA_CHECK(cudaEventRecord(st.updated, s));
-                    CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, st.updated));
-                    timed(comm_t_, comm_stream_, [&] {
-                        NCCL_CHECK(ncclAllGather(chunk(st, st.p->data), st.p->data, st.cfg.chunk_numel(), nccl_type(st),
-                                                 comm_, comm_stream_));
-                    });
-                    CUDA_CHECK(cudaEventRecord(st.gathered, comm_stream_));
-                    break;
-                }
-                case PlanOp::CopyTransposed:  // tied: embed = lm_head^T, once lm_head is whole again
-                    if (lm.cfg.comms == Comms::Sharded)
-                        timed(wait_t_, s, [&] { CUDA_CHECK(cudaStreamWaitEvent(s, lm.gathered)); });
-                    timed(transpose_t_, s, [&] {
-                        CUDA_CHECK(transpose(bf(lm.p->data), bf(em.p->data), 1, MODEL_DIM, PADDED_VOCAB_SIZE, false, s));
-                    });
-                    break;
-            }
-        }
-        if (comm_) timed(wait_t_, s, [&] { after(comm_stream_, s); });  // every gather is in before the next forward
-        early_plan_.clear(), reduced_early_.clear();
-        // gradients start over: NorMuon's every step, Adam's after the steps that use them
-        for (State& st : states_)
-            if (st.cfg.optim == Optim::NorMuon || do_adam) CUDA_CHECK(cudaMemsetAsync(st.p->grad, 0, st.p->bytes(), s));
-    }
-
-    // The early reduces of this step (backward_reduce_plan; several ranks): begin_backward_reduces
-    // before the step's last micro-step, then backward_reduces(point, layer) where the model's last
-    // backward reaches each point; step() then skips those reduces and waits for them.
-    void begin_backward_reduces(bool do_adam) {
-        early_plan_ = comm_ ? backward_reduce_plan(configs_, (int)world_size_, do_adam, split_) : std::vector<BackwardReduce>{};
-        reduced_early_.clear();
-    }
-    void backward_reduces(ReducePoint when, int layer, cudaStream_t s) {
-        bool started = false;
-        for (const BackwardReduce& r : early_plan_) {
-            if (r.when != when || r.layer != layer) continue;
-            if (!started) after(s, comm_stream_), started = true;  // this point's gradients are final
-            State& st = state(r.label);
-            if (r.root < 0) {
-                NCCL_CHECK(ncclReduceScatter(st.p->grad, chunk(st, st.p->grad), st.cfg.chunk_numel(), nccl_type(st), ncclAvg,
-                                             comm_, comm_stream_));
-            } else {  // matrices of one owner: to the owner, in place
-                const int64_t per = st.cfg.chunk_numel() / st.cfg.chunk_size;
-                void* g = (char*)st.p->grad + r.first * per * (st.p->shape.fp32 ? 4 : 2);
-                NCCL_CHECK(ncclReduce(g, g, r.count * per, nccl_type(st), ncclAvg, r.root, comm_, comm_stream_));
-            }
-            CUDA_CHECK(cudaEventRecord(st.reduced, comm_stream_));  // the last piece's record is the one waited for
-            reduced_early_.insert(r.label);
-        }
-    }
-
-    // the untie at the split step: embed's Adam state is lm_head's, transposed;
-    // sharded, lm_head's moments are gathered whole, transposed, and each rank keeps its rows of embed
-    void copy_lm_state_to_embed(cudaStream_t s) {
-        State& lm = state("lm_head");
-        State& em = state("embed");
-        const int64_t full = (int64_t)MODEL_DIM * PADDED_VOCAB_SIZE;
-        float *whole = nullptr, *whole_t = nullptr;
-        if (lm.cfg.comms == Comms::Sharded) {
-            CUDA_CHECK(cudaMalloc(&whole, full * sizeof(float)));
-            CUDA_CHECK(cudaMalloc(&whole_t, full * sizeof(float)));
-        }
-        for (auto [src, dst] : {std::pair{lm.m, em.m}, std::pair{lm.v, em.v}}) {
-            if (!whole) {
-                CUDA_CHECK(transpose(src, dst, 1, MODEL_DIM, PADDED_VOCAB_SIZE, false, s));
-                continue;
-            }
-            after(s, comm_stream_);
-            NCCL_CHECK(ncclAllGather(src, whole, lm.cfg.chunk_numel(), ncclFloat32, comm_, comm_stream_));
-            after(comm_stream_, s);
-            CUDA_CHECK(transpose(whole, whole_t, 1, MODEL_DIM, PADDED_VOCAB_SIZE, false, s));
-            CUDA_CHECK(cudaMemcpyAsync(dst, whole_t + em.offset, em.cfg.chunk_numel() * sizeof(float),
-                                       cudaMemcpyDeviceToDevice, s));
-        }
-        if (whole) {
-            CUDA_CHECK(cudaStreamSynchronize(s));
-            CUDA_CHECK(cudaFree(whole));
-            CUDA_CHECK(cudaFree(whole_t));
-        }
-        em.t = lm.t;
-        split_ = true;
-    }
-
-    // back to the initial state: zero moments, buffers and step counts, embed tied again
-    void reset(cudaStream_t s) {
-        for (State& st : states_) {
-            const int64_t n = st.cfg.chunk_numel();
-            for (float* f : {st.m, st.v, st.buf})
-                if (f) CUDA_CHECK(cudaMemsetAsync(f, 0, n * sizeof(float), s));
-            if (st.mant) CUDA_CHECK(cudaMemsetAsync(st.mant, 0, n * sizeof(uint16_t), s));
-            if (st.sm) {
-                const auto& sh = st.cfg.second_moment_shape;
-                CUDA_CHECK(cudaMemsetAsync(st.sm, 0, sh[0] * sh[1] * sh[2] * sizeof(float), s));
-            }
-            st.t = 0;
-        }
-        split_ = false;
-    }
-
-    bool split() const { return split_; }
-
-    // This rank's state, for tests: Adam's moments m and v; NorMuon's momentum buffer, second
-    // moment and the low 16 bits of its fp32 weights (mant, uint16).
-    struct StateView {
-        std::string label, kind;
-        void* data;
-        int64_t n;
-        size_t bytes() const { return (size_t)n * (kind == "mant" ? 2 : 4); }
-    };
-    std::vector<StateView> state_views() const {
-        std::vector<StateView> out;
-        for (const State& st : states_) {
-            const ParamConfig& c = st.cfg;
-            const int64_t n = c.chunk_numel();
-            if (c.optim == Optim::Adam) {
-                out.push_back({c.label, "m", st.m, n});
-                out.push_back({c.label, "v", st.v, n});
-            } else {
-                const auto& sh = c.second_moment_shape;
-                out.push_back({c.label, "buf", st.buf, n});
-                out.push_back({c.label, "sm", st.sm, sh[0] * sh[1] * sh[2]});
-                out.push_back({c.label, "mant", st.mant, n});
-            }
-        }
-        return out;
-    }
-    // The rest of the state, as text for a checkpoint: tied or untied, each Adam parameter's steps.
-    std::string host_state() const {
-        std::string s = strprintf("split %d\n", (int)split_);
-        for (const State& st : states_)
-            if (st.cfg.optim == Optim::Adam) s += strprintf("adam_steps %s %lld\n", st.cfg.label.c_str(), (long long)st.t);
-        return s;
-    }
-    void set_host_state(const std::string& text) {
-        int seen = 0;
-        for (const std::string& line : ::split(text, '\n')) {
-            if (line.empty()) continue;
-            const std::vector<std::string> w = ::split(line, ' ');
-            if (w.size() == 2 && w[0] == "split" && (w[1] == "0" || w[1] == "1")) {
-                split_ = w[1] == "1";
-            } else if (w.size() == 3 && w[0] == "adam_steps") {
-                State& st = state(w[1]);
-                if (st.cfg.optim != Optim::Adam) fail("optimizer state: '" + w[1] + "' is not an Adam parameter");
-                st.t = parse_i64("adam_steps", w[2]);
-                ++seen;
-            } else {
-                fail("optimizer state: unexpected line '" + line + "'");
-            }
-        }
-        const int adam = (int)std::count_if(states_.begin(), states_.end(), [](const State& st) { return st.cfg.optim == Optim::Adam; });
-        if (seen != adam) fail(strprintf("optimizer state: %d Adam step counts for %d Adam parameters", seen, adam));
-    }
-
-    // Where a step's time goes (for `make bench`), from the steps taken while profiling: NorMuon's
-    // updates (momentum, Polar Express, variance, apply), Adam's, the tied embedding's transposes,
-    // the compute stream's waits for NCCL, and NCCL's own time on its stream.
-    struct Profile {
-        float normuon_ms, adam_ms, transpose_ms, wait_ms, comm_ms;
-    };
-    void profile(bool on) { profiling_ = on; }
-    Profile profile_ms() {
-        Profile p{normuon_t_.total_ms(), adam_t_.total_ms(), transpose_t_.total_ms(), wait_t_.total_ms(),
-                  comm_t_.total_ms()};
-        for (StreamTimer* t : {&normuon_t_, &adam_t_, &transpose_t_, &wait_t_, &comm_t_}) t->clear();
-        return p;
-    }
-
-   private:
-    struct State {
-        ParamConfig cfg;
-        Param* p = nullptr;
-        float *m = nullptr, *v = nullptr;  // Adam moments
-        int64_t t = 0;                     // Adam steps taken
-        float *buf = nullptr, *sm = nullptr, *lrs = nullptr;  // NorMuon momentum, second moment, per-matrix lr
-        float* var_ws = nullptr;                                // its normalisation's workspace
-        uint16_t* mant = nullptr;          // the low 16 bits of the fp32 weights
-        std::unique_ptr<PolarExpress> pe;
-        int64_t offset = 0;                // elements before this rank's chunk (sharded)
-        cudaEvent_t reduced = nullptr, updated = nullptr, gathered = nullptr;
-    };
-
-    template <typename T>
-    T* alloc(int64_t n) { return arena_.alloc<T>(n); }
-    static __nv_bfloat16* bf(void* p) { return as_bf16(p); }
-    static ncclDataType_t nccl_type(const State& st) { return st.p->shape.fp32 ? ncclFloat32 : ncclBfloat16; }
-    // this rank's chunk of a parameter's data or gradient (all of it when not sharded)
-    static void* chunk(const State& st, void* base) {
-        return (char*)base + st.offset * (st.p->shape.fp32 ? 4 : 2);
-    }
-    template <typename Fn>
-    void timed(StreamTimer& t, cudaStream_t s, Fn fn) {
-        if (profiling_) t.begin(s);
-        fn();
-        if (profiling_) t.end(s);
-    }
-    // `later` waits for what `first` has queued so far
-    void after(cudaStream_t first, cudaStream_t later) {
-        cudaEvent_t e = first == comm_stream_ ? comm_done_ : compute_done_;
-        CUDA_CHECK(cudaEventRecord(e, first));
-        CUDA_CHECK(cudaStreamWaitEvent(later, e));
-    }
-    State& state(const std::string& label) {
-        for (State& st : states_)
-            if (st.cfg.label == label) return st;
-        fail("optimizer: no parameter '" + label + "'");
-    }
-
-    void adam(State& st, double lr_mult, cudaStream_t s) {
-        const ParamConfig& c = st.cfg;
-        const double lr = c.initial_lr * lr_mult * c.lr_mul;
-        st.t += 1;
-        const double bias1 = 1 - std::pow(c.beta1, (double)st.t), bias2 = 1 - std::pow(c.beta2, (double)st.t);
-        const float step_size = (float)(lr * std::sqrt(bias2) / bias1);
-        const float eff_wd = (float)(lr * lr * c.weight_decay * c.wd_mul);
-        const int64_t n = c.chunk_numel();
-        void *p = chunk(st, st.p->data), *g = chunk(st, st.p->grad);
-        if (st.p->shape.fp32)
-            CUDA_CHECK(adam_update((float*)p, (const float*)g, st.m, st.v, n, (float)c.beta1, (float)c.beta2,
-                                   (float)c.eps, step_size, eff_wd, s));
-        else
-            CUDA_CHECK(adam_update(bf(p), (const __nv_bfloat16*)g, st.m, st.v, n, (float)c.beta1, (float)c.beta2,
-                                   (float)c.eps, step_size, eff_wd, s));
-    }
-
-    void normuon(State& st, double lr_mult, double momentum, cudaStream_t s) {
-        const ParamConfig& c = st.cfg;
-        const double lr = c.initial_lr * lr_mult;
-        const int count = (int)c.chunk_size, rows = (int)c.chunk_shape[1], cols = (int)c.chunk_shape[2];
-        const int64_t per = (int64_t)rows * cols, n = per * count;
-        std::vector<float> lrs(count);
-        for (int i = 0; i < count; ++i)
-            lrs[i] = (float)(c.lr_mul * (c.per_matrix_lr_mul.empty() ? 1.0 : c.per_matrix_lr_mul[i]) * lr);
-        CUDA_CHECK(cudaMemcpyAsync(st.lrs, lrs.data(), count * sizeof(float), cudaMemcpyHostToDevice, s));
-        CUDA_CHECK(nesterov_momentum((const __nv_bfloat16*)chunk(st, st.p->grad), st.buf, g32_, n, (float)momentum, s));
-        st.pe->run(gemms_, g32_, v_, count, s);
-        CUDA_CHECK(normuon_variance(v_, st.sm, count, rows, cols, (float)c.normuon_beta2, st.var_ws, s));
-        CUDA_CHECK(normuon_apply(bf(chunk(st, st.p->data)), st.mant, v_, per, count, st.lrs,
-                                 (float)(c.wd_mul * c.weight_decay * lr), s));
-    }
-
-    Gemms& gemms_;
-    ncclComm_t comm_;
-    cudaStream_t comm_stream_ = nullptr;  // NCCL's own stream
-    cudaEvent_t compute_done_ = nullptr, comm_done_ = nullptr;
-    std::vector<ParamConfig> configs_;
-    std::vector<State> states_;
-    DeviceArena arena_;
-    int64_t scratch_ = 0;
-    float* g32_ = nullptr;
-    __nv_bfloat16* v_ = nullptr;
-    bool split_ = false;
-    bool profiling_ = false;
-    int64_t world_size_ = 1;
-    std::vector<BackwardReduce> early_plan_;  // this step's reduces inside the backward
-    std::set<std::string> reduced_early_;     // the parameters they reduce (step() skips their reduce)
-    StreamTimer normuon_t_, adam_t_, transpose_t_, wait_t_, comm_t_;
 };
 
 // -----------------------------------------------------------------------------
@@ -2248,6 +1610,442 @@ class Model {
     // dpre (c_fc's) and dqkv (QKV's)
     cudaEvent_t ev_fork_ = nullptr, ev_cproj_ = nullptr, ev_cfc_ = nullptr, ev_o_ = nullptr, ev_qkv_ = nullptr,
                 ev_head_ = nullptr, ev_join_ = nullptr;
+};
+
+// -----------------------------------------------------------------------------
+// Optimizer, the update: NorMuonAndAdam follows the param_table above (its communication in
+// scatter_order, its updates in work_order), with Polar Express for the banks.
+
+// Polar Express (Amsel, Persson, Musco, Gower, arXiv 2505.16932): 5 fixed iterations
+// X <- a X + (b A + c A A) X with A = X X^T, in bf16, on the wide orientation of each matrix,
+// after Frobenius normalisation (x 1.02 + 1e-6). Coefficients of record 61 (num_iters 5, safety
+// factor 2e-2, cushion 2).
+static const float polar_express_coeffs[5][3] = {
+    {8.156554524902461f, -22.48329292557795f, 15.878769915207462f},
+    {4.042929935166739f, -2.808917465908714f, 0.5000178451051316f},
+    {3.8916678022926607f, -2.772484153217685f, 0.5060648178503393f},
+    {3.285753657755655f, -2.3681294933425376f, 0.46449024233003106f},
+    {2.3465413258596377f, -1.7097828382687081f, 0.42323551169305323f}};
+
+class PolarExpress {
+   public:
+    // for batches of up to `count` matrices of rows x cols
+    PolarExpress(int count, int rows, int cols) : count_(count), rows_(rows), cols_(cols) {
+        const int64_t n = (int64_t)count * rows * cols, m = std::min(rows, cols);
+        CUDA_CHECK(cudaMalloc(&x_[0], n * sizeof(__nv_bfloat16)));
+        CUDA_CHECK(cudaMalloc(&x_[1], n * sizeof(__nv_bfloat16)));
+        CUDA_CHECK(cudaMalloc(&a_, (int64_t)count * m * m * sizeof(__nv_bfloat16)));
+        CUDA_CHECK(cudaMalloc(&b_, (int64_t)count * m * m * sizeof(__nv_bfloat16)));
+        CUDA_CHECK(cudaMalloc(&partial_, (int64_t)count * opt::NORM_BLOCKS * sizeof(float)));
+    }
+    ~PolarExpress() {
+        for (void* p : {(void*)x_[0], (void*)x_[1], (void*)a_, (void*)b_, (void*)partial_}) CUDA_CHECK(cudaFree(p));
+    }
+    PolarExpress(const PolarExpress&) = delete;
+    PolarExpress& operator=(const PolarExpress&) = delete;
+
+    // out (bf16, count x rows x cols) = the orthogonalised g (fp32, same shape)
+    void run(Gemms& gemms, const float* g, __nv_bfloat16* out, int count, cudaStream_t stream) {
+        if (count > count_) fatal(strprintf("PolarExpress: %d matrices, room for %d", count, count_));
+        const bool tall = rows_ > cols_;
+        const int m = std::min(rows_, cols_), n = std::max(rows_, cols_);  // X is m x n, wide
+        const int64_t mn = (int64_t)m * n, mm = (int64_t)m * m;
+        CUDA_CHECK(frobenius_normalize(g, x_[0], count, mn, partial_, stream));
+        __nv_bfloat16* x = x_[0];
+        __nv_bfloat16* next = x_[1];
+        if (tall) {
+            CUDA_CHECK(transpose_bf16(x_[0], x_[1], count, rows_, cols_, stream));
+            std::swap(x, next);
+        } else {
+            next = out;  // the 5 iterations end in out
+        }
+        for (int it = 0; it < 5; ++it) {
+            const float a = polar_express_coeffs[it][0], b = polar_express_coeffs[it][1], c = polar_express_coeffs[it][2];
+            sym::Params sp{x, mn, n, nullptr, 0, 0, a_, mm, m, m, n, 1.f, 0.f};
+            CUDA_CHECK(symmetric_product(sp, count, stream));  // A = X X^T
+            sym::Params sq{a_, mm, m, a_, mm, m, b_, mm, m, m, m, c, b};
+            CUDA_CHECK(symmetric_product(sq, count, stream));  // B = b A + c A A
+            gemms.bf16_batched(stream, count, Op::N, Op::N, m, n, m, b_, m, mm, x, n, mn, x, next, n, mn, 1.f, a);
+            std::swap(x, next);
+        }
+        if (tall) CUDA_CHECK(transpose_bf16(x, out, count, m, n, stream));
+    }
+
+   private:
+    int count_, rows_, cols_;
+    __nv_bfloat16* x_[2] = {nullptr, nullptr};
+    __nv_bfloat16 *a_ = nullptr, *b_ = nullptr;
+    float* partial_ = nullptr;
+};
+
+// NCCL over the MPI ranks, from rank 0's unique id broadcast over MPI; none at world size 1.
+static ncclComm_t nccl_init(int rank, int world_size) {
+    if (world_size == 1) return nullptr;
+    ncclUniqueId id;
+    if (rank == 0) NCCL_CHECK(ncclGetUniqueId(&id));
+    MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD));
+    ncclComm_t comm = nullptr;
+    NCCL_CHECK(ncclCommInitRank(&comm, world_size, id, rank));
+    return comm;
+}
+
+// The optimizer step of record 61. In work_order, per parameter: Adam (on odd steps; the gradients
+// of Adam parameters accumulate over two steps) or NorMuon (every step). While embed is tied to
+// lm_head, embed's gradient is added transposed into lm_head's before the update and embed is
+// written as lm_head^T after it; at the untie step lm_head's Adam state moves, transposed, to embed.
+// On several GPUs the step follows step_plan: NCCL reduces on their own stream in scatter_order,
+// each update waits only for its own reduce, each sharded update's all-gather starts as soon as it
+// is done, and the compute stream waits for every gather before the next forward pass.
+class NorMuonAndAdam {
+   public:
+    // comm: NCCL over the ranks; nullptr at world size 1 (no NCCL calls at all)
+    NorMuonAndAdam(ParamStore& params, Gemms& gemms, const Hyperparameters& a, int world_size, int rank,
+                   ncclComm_t comm = nullptr)
+        : gemms_(gemms), comm_(comm) {
+        if ((world_size > 1) != (comm != nullptr))
+            fail(strprintf("optimizer: world size %d needs %s NCCL communicator", world_size, comm ? "no" : "an"));
+        configs_ = build_param_configs(a, model_params(world_size), world_size, rank);
+        world_size_ = world_size;
+        for (const ParamConfig& c : configs_) {
+            State st;
+            st.cfg = c;
+            st.p = &params[c.label];
+            const int64_t n = c.chunk_numel();
+            st.offset = c.comms == Comms::Sharded ? rank * n : 0;
+            if (c.optim == Optim::Adam) {
+                st.m = alloc<float>(n), st.v = alloc<float>(n);
+            } else {
+                st.buf = alloc<float>(n), st.mant = alloc<uint16_t>(n);
+                st.sm = alloc<float>(c.second_moment_shape[0] * c.second_moment_shape[1] * c.second_moment_shape[2]);
+                st.lrs = alloc<float>(c.chunk_size);
+                st.var_ws = alloc<float>(normuon_variance_workspace((int)c.chunk_size, (int)c.chunk_shape[1]));
+                st.pe = std::make_unique<PolarExpress>((int)c.chunk_size, (int)c.chunk_shape[1], (int)c.chunk_shape[2]);
+                scratch_ = std::max(scratch_, n);
+            }
+            if (comm_)
+                for (cudaEvent_t* e : {&st.reduced, &st.updated, &st.gathered})
+                    CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+            states_.push_back(std::move(st));
+        }
+        g32_ = alloc<float>(scratch_), v_ = alloc<__nv_bfloat16>(scratch_);
+        if (comm_) {
+            CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
+            CUDA_CHECK(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
+            CUDA_CHECK(cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming));
+        }
+        reset(0);
+        CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    ~NorMuonAndAdam() {
+        if (!comm_) return;
+        CUDA_CHECK(cudaStreamSynchronize(comm_stream_));
+        for (State& st : states_)
+            for (cudaEvent_t e : {st.reduced, st.updated, st.gathered}) CUDA_CHECK(cudaEventDestroy(e));
+        CUDA_CHECK(cudaEventDestroy(compute_done_));
+        CUDA_CHECK(cudaEventDestroy(comm_done_));
+        CUDA_CHECK(cudaStreamDestroy(comm_stream_));
+    }
+    NorMuonAndAdam(const NorMuonAndAdam&) = delete;
+    NorMuonAndAdam& operator=(const NorMuonAndAdam&) = delete;
+
+    // lr_mult: get_lr(step); momentum: get_muon_momentum(step); do_adam: is_adam_step(step)
+    void step(double lr_mult, double momentum, bool do_adam, cudaStream_t s) {
+        State& lm = state("lm_head");
+        State& em = state("embed");
+        if (comm_) after(s, comm_stream_);  // the gradients are final
+        for (const PlanStep& p : step_plan(configs_, do_adam, split_)) {
+            const bool reduce = p.op == PlanOp::AllReduce || p.op == PlanOp::ReduceScatter;
+            if (reduce && reduced_early_.count(p.label)) continue;  // started inside the backward
+            switch (p.op) {
+                case PlanOp::AddTransposed:  // tied: embed's gradient joins lm_head's before its reduce
+                    timed(transpose_t_, s, [&] {
+                        CUDA_CHECK(transpose(bf(em.p->grad), bf(lm.p->grad), 1, PADDED_VOCAB_SIZE, MODEL_DIM, true, s));
+                    });
+                    if (comm_) after(s, comm_stream_);
+                    break;
+                case PlanOp::AllReduce: {
+                    State& st = state(p.label);
+                    timed(comm_t_, comm_stream_, [&] {
+                        NCCL_CHECK(ncclAllReduce(st.p->grad, st.p->grad, st.p->shape.numel(), nccl_type(st), ncclAvg,
+                                                 comm_, comm_stream_));
+                    });
+                    CUDA_CHECK(cudaEventRecord(st.reduced, comm_stream_));
+                    break;
+                }
+                case PlanOp::ReduceScatter: {  // in place: this rank's chunk of the gradient holds the average
+                    State& st = state(p.label);
+                    timed(comm_t_, comm_stream_, [&] {
+                        NCCL_CHECK(ncclReduceScatter(st.p->grad, chunk(st, st.p->grad), st.cfg.chunk_numel(),
+                                                     nccl_type(st), ncclAvg, comm_, comm_stream_));
+                    });
+                    CUDA_CHECK(cudaEventRecord(st.reduced, comm_stream_));
+                    break;
+                }
+                case PlanOp::Update: {
+                    State& st = state(p.label);
+                    if (comm_) timed(wait_t_, s, [&] { CUDA_CHECK(cudaStreamWaitEvent(s, st.reduced)); });
+                    if (st.cfg.optim == Optim::Adam) timed(adam_t_, s, [&] { adam(st, lr_mult, s); });
+                    else timed(normuon_t_, s, [&] { normuon(st, lr_mult, momentum, s); });
+                    break;
+                }
+                case PlanOp::AllGather: {  // in place: every rank's updated chunk to every rank
+                    State& st = state(p.label);
+                    CUDA_CHECK(cudaEventRecord(st.updated, s));
+                    CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, st.updated));
+                    timed(comm_t_, comm_stream_, [&] {
+                        NCCL_CHECK(ncclAllGather(chunk(st, st.p->data), st.p->data, st.cfg.chunk_numel(), nccl_type(st),
+                                                 comm_, comm_stream_));
+                    });
+                    CUDA_CHECK(cudaEventRecord(st.gathered, comm_stream_));
+                    break;
+                }
+                case PlanOp::CopyTransposed:  // tied: embed = lm_head^T, once lm_head is whole again
+                    if (lm.cfg.comms == Comms::Sharded)
+                        timed(wait_t_, s, [&] { CUDA_CHECK(cudaStreamWaitEvent(s, lm.gathered)); });
+                    timed(transpose_t_, s, [&] {
+                        CUDA_CHECK(transpose(bf(lm.p->data), bf(em.p->data), 1, MODEL_DIM, PADDED_VOCAB_SIZE, false, s));
+                    });
+                    break;
+            }
+        }
+        if (comm_) timed(wait_t_, s, [&] { after(comm_stream_, s); });  // every gather is in before the next forward
+        early_plan_.clear(), reduced_early_.clear();
+        // gradients start over: NorMuon's every step, Adam's after the steps that use them
+        for (State& st : states_)
+            if (st.cfg.optim == Optim::NorMuon || do_adam) CUDA_CHECK(cudaMemsetAsync(st.p->grad, 0, st.p->bytes(), s));
+    }
+
+    // The early reduces of this step (backward_reduce_plan; several ranks): begin_backward_reduces
+    // before the step's last micro-step, then backward_reduces(point, layer) where the model's last
+    // backward reaches each point; step() then skips those reduces and waits for them.
+    void begin_backward_reduces(bool do_adam) {
+        early_plan_ = comm_ ? backward_reduce_plan(configs_, (int)world_size_, do_adam, split_) : std::vector<BackwardReduce>{};
+        reduced_early_.clear();
+    }
+    void backward_reduces(ReducePoint when, int layer, cudaStream_t s) {
+        bool started = false;
+        for (const BackwardReduce& r : early_plan_) {
+            if (r.when != when || r.layer != layer) continue;
+            if (!started) after(s, comm_stream_), started = true;  // this point's gradients are final
+            State& st = state(r.label);
+            if (r.root < 0) {
+                NCCL_CHECK(ncclReduceScatter(st.p->grad, chunk(st, st.p->grad), st.cfg.chunk_numel(), nccl_type(st), ncclAvg,
+                                             comm_, comm_stream_));
+            } else {  // matrices of one owner: to the owner, in place
+                const int64_t per = st.cfg.chunk_numel() / st.cfg.chunk_size;
+                void* g = (char*)st.p->grad + r.first * per * (st.p->shape.fp32 ? 4 : 2);
+                NCCL_CHECK(ncclReduce(g, g, r.count * per, nccl_type(st), ncclAvg, r.root, comm_, comm_stream_));
+            }
+            CUDA_CHECK(cudaEventRecord(st.reduced, comm_stream_));  // the last piece's record is the one waited for
+            reduced_early_.insert(r.label);
+        }
+    }
+
+    // the untie at the split step: embed's Adam state is lm_head's, transposed;
+    // sharded, lm_head's moments are gathered whole, transposed, and each rank keeps its rows of embed
+    void copy_lm_state_to_embed(cudaStream_t s) {
+        State& lm = state("lm_head");
+        State& em = state("embed");
+        const int64_t full = (int64_t)MODEL_DIM * PADDED_VOCAB_SIZE;
+        float *whole = nullptr, *whole_t = nullptr;
+        if (lm.cfg.comms == Comms::Sharded) {
+            CUDA_CHECK(cudaMalloc(&whole, full * sizeof(float)));
+            CUDA_CHECK(cudaMalloc(&whole_t, full * sizeof(float)));
+        }
+        for (auto [src, dst] : {std::pair{lm.m, em.m}, std::pair{lm.v, em.v}}) {
+            if (!whole) {
+                CUDA_CHECK(transpose(src, dst, 1, MODEL_DIM, PADDED_VOCAB_SIZE, false, s));
+                continue;
+            }
+            after(s, comm_stream_);
+            NCCL_CHECK(ncclAllGather(src, whole, lm.cfg.chunk_numel(), ncclFloat32, comm_, comm_stream_));
+            after(comm_stream_, s);
+            CUDA_CHECK(transpose(whole, whole_t, 1, MODEL_DIM, PADDED_VOCAB_SIZE, false, s));
+            CUDA_CHECK(cudaMemcpyAsync(dst, whole_t + em.offset, em.cfg.chunk_numel() * sizeof(float),
+                                       cudaMemcpyDeviceToDevice, s));
+        }
+        if (whole) {
+            CUDA_CHECK(cudaStreamSynchronize(s));
+            CUDA_CHECK(cudaFree(whole));
+            CUDA_CHECK(cudaFree(whole_t));
+        }
+        em.t = lm.t;
+        split_ = true;
+    }
+
+    // back to the initial state: zero moments, buffers and step counts, embed tied again
+    void reset(cudaStream_t s) {
+        for (State& st : states_) {
+            const int64_t n = st.cfg.chunk_numel();
+            for (float* f : {st.m, st.v, st.buf})
+                if (f) CUDA_CHECK(cudaMemsetAsync(f, 0, n * sizeof(float), s));
+            if (st.mant) CUDA_CHECK(cudaMemsetAsync(st.mant, 0, n * sizeof(uint16_t), s));
+            if (st.sm) {
+                const auto& sh = st.cfg.second_moment_shape;
+                CUDA_CHECK(cudaMemsetAsync(st.sm, 0, sh[0] * sh[1] * sh[2] * sizeof(float), s));
+            }
+            st.t = 0;
+        }
+        split_ = false;
+    }
+
+    bool split() const { return split_; }
+
+    // This rank's state, for tests: Adam's moments m and v; NorMuon's momentum buffer, second
+    // moment and the low 16 bits of its fp32 weights (mant, uint16).
+    struct StateView {
+        std::string label, kind;
+        void* data;
+        int64_t n;
+        size_t bytes() const { return (size_t)n * (kind == "mant" ? 2 : 4); }
+    };
+    std::vector<StateView> state_views() const {
+        std::vector<StateView> out;
+        for (const State& st : states_) {
+            const ParamConfig& c = st.cfg;
+            const int64_t n = c.chunk_numel();
+            if (c.optim == Optim::Adam) {
+                out.push_back({c.label, "m", st.m, n});
+                out.push_back({c.label, "v", st.v, n});
+            } else {
+                const auto& sh = c.second_moment_shape;
+                out.push_back({c.label, "buf", st.buf, n});
+                out.push_back({c.label, "sm", st.sm, sh[0] * sh[1] * sh[2]});
+                out.push_back({c.label, "mant", st.mant, n});
+            }
+        }
+        return out;
+    }
+    // The rest of the state, as text for a checkpoint: tied or untied, each Adam parameter's steps.
+    std::string host_state() const {
+        std::string s = strprintf("split %d\n", (int)split_);
+        for (const State& st : states_)
+            if (st.cfg.optim == Optim::Adam) s += strprintf("adam_steps %s %lld\n", st.cfg.label.c_str(), (long long)st.t);
+        return s;
+    }
+    void set_host_state(const std::string& text) {
+        int seen = 0;
+        for (const std::string& line : ::split(text, '\n')) {
+            if (line.empty()) continue;
+            const std::vector<std::string> w = ::split(line, ' ');
+            if (w.size() == 2 && w[0] == "split" && (w[1] == "0" || w[1] == "1")) {
+                split_ = w[1] == "1";
+            } else if (w.size() == 3 && w[0] == "adam_steps") {
+                State& st = state(w[1]);
+                if (st.cfg.optim != Optim::Adam) fail("optimizer state: '" + w[1] + "' is not an Adam parameter");
+                st.t = parse_i64("adam_steps", w[2]);
+                ++seen;
+            } else {
+                fail("optimizer state: unexpected line '" + line + "'");
+            }
+        }
+        const int adam = (int)std::count_if(states_.begin(), states_.end(), [](const State& st) { return st.cfg.optim == Optim::Adam; });
+        if (seen != adam) fail(strprintf("optimizer state: %d Adam step counts for %d Adam parameters", seen, adam));
+    }
+
+    // Where a step's time goes (for `make bench`), from the steps taken while profiling: NorMuon's
+    // updates (momentum, Polar Express, variance, apply), Adam's, the tied embedding's transposes,
+    // the compute stream's waits for NCCL, and NCCL's own time on its stream.
+    struct Profile {
+        float normuon_ms, adam_ms, transpose_ms, wait_ms, comm_ms;
+    };
+    void profile(bool on) { profiling_ = on; }
+    Profile profile_ms() {
+        Profile p{normuon_t_.total_ms(), adam_t_.total_ms(), transpose_t_.total_ms(), wait_t_.total_ms(),
+                  comm_t_.total_ms()};
+        for (StreamTimer* t : {&normuon_t_, &adam_t_, &transpose_t_, &wait_t_, &comm_t_}) t->clear();
+        return p;
+    }
+
+   private:
+    struct State {
+        ParamConfig cfg;
+        Param* p = nullptr;
+        float *m = nullptr, *v = nullptr;  // Adam moments
+        int64_t t = 0;                     // Adam steps taken
+        float *buf = nullptr, *sm = nullptr, *lrs = nullptr;  // NorMuon momentum, second moment, per-matrix lr
+        float* var_ws = nullptr;                                // its normalisation's workspace
+        uint16_t* mant = nullptr;          // the low 16 bits of the fp32 weights
+        std::unique_ptr<PolarExpress> pe;
+        int64_t offset = 0;                // elements before this rank's chunk (sharded)
+        cudaEvent_t reduced = nullptr, updated = nullptr, gathered = nullptr;
+    };
+
+    template <typename T>
+    T* alloc(int64_t n) { return arena_.alloc<T>(n); }
+    static __nv_bfloat16* bf(void* p) { return as_bf16(p); }
+    static ncclDataType_t nccl_type(const State& st) { return st.p->shape.fp32 ? ncclFloat32 : ncclBfloat16; }
+    // this rank's chunk of a parameter's data or gradient (all of it when not sharded)
+    static void* chunk(const State& st, void* base) {
+        return (char*)base + st.offset * (st.p->shape.fp32 ? 4 : 2);
+    }
+    template <typename Fn>
+    void timed(StreamTimer& t, cudaStream_t s, Fn fn) {
+        if (profiling_) t.begin(s);
+        fn();
+        if (profiling_) t.end(s);
+    }
+    // `later` waits for what `first` has queued so far
+    void after(cudaStream_t first, cudaStream_t later) {
+        cudaEvent_t e = first == comm_stream_ ? comm_done_ : compute_done_;
+        CUDA_CHECK(cudaEventRecord(e, first));
+        CUDA_CHECK(cudaStreamWaitEvent(later, e));
+    }
+    State& state(const std::string& label) {
+        for (State& st : states_)
+            if (st.cfg.label == label) return st;
+        fail("optimizer: no parameter '" + label + "'");
+    }
+
+    void adam(State& st, double lr_mult, cudaStream_t s) {
+        const ParamConfig& c = st.cfg;
+        const double lr = c.initial_lr * lr_mult * c.lr_mul;
+        st.t += 1;
+        const double bias1 = 1 - std::pow(c.beta1, (double)st.t), bias2 = 1 - std::pow(c.beta2, (double)st.t);
+        const float step_size = (float)(lr * std::sqrt(bias2) / bias1);
+        const float eff_wd = (float)(lr * lr * c.weight_decay * c.wd_mul);
+        const int64_t n = c.chunk_numel();
+        void *p = chunk(st, st.p->data), *g = chunk(st, st.p->grad);
+        if (st.p->shape.fp32)
+            CUDA_CHECK(adam_update((float*)p, (const float*)g, st.m, st.v, n, (float)c.beta1, (float)c.beta2,
+                                   (float)c.eps, step_size, eff_wd, s));
+        else
+            CUDA_CHECK(adam_update(bf(p), (const __nv_bfloat16*)g, st.m, st.v, n, (float)c.beta1, (float)c.beta2,
+                                   (float)c.eps, step_size, eff_wd, s));
+    }
+
+    void normuon(State& st, double lr_mult, double momentum, cudaStream_t s) {
+        const ParamConfig& c = st.cfg;
+        const double lr = c.initial_lr * lr_mult;
+        const int count = (int)c.chunk_size, rows = (int)c.chunk_shape[1], cols = (int)c.chunk_shape[2];
+        const int64_t per = (int64_t)rows * cols, n = per * count;
+        std::vector<float> lrs(count);
+        for (int i = 0; i < count; ++i)
+            lrs[i] = (float)(c.lr_mul * (c.per_matrix_lr_mul.empty() ? 1.0 : c.per_matrix_lr_mul[i]) * lr);
+        CUDA_CHECK(cudaMemcpyAsync(st.lrs, lrs.data(), count * sizeof(float), cudaMemcpyHostToDevice, s));
+        CUDA_CHECK(nesterov_momentum((const __nv_bfloat16*)chunk(st, st.p->grad), st.buf, g32_, n, (float)momentum, s));
+        st.pe->run(gemms_, g32_, v_, count, s);
+        CUDA_CHECK(normuon_variance(v_, st.sm, count, rows, cols, (float)c.normuon_beta2, st.var_ws, s));
+        CUDA_CHECK(normuon_apply(bf(chunk(st, st.p->data)), st.mant, v_, per, count, st.lrs,
+                                 (float)(c.wd_mul * c.weight_decay * lr), s));
+    }
+
+    Gemms& gemms_;
+    ncclComm_t comm_;
+    cudaStream_t comm_stream_ = nullptr;  // NCCL's own stream
+    cudaEvent_t compute_done_ = nullptr, comm_done_ = nullptr;
+    std::vector<ParamConfig> configs_;
+    std::vector<State> states_;
+    DeviceArena arena_;
+    int64_t scratch_ = 0;
+    float* g32_ = nullptr;
+    __nv_bfloat16* v_ = nullptr;
+    bool split_ = false;
+    bool profiling_ = false;
+    int64_t world_size_ = 1;
+    std::vector<BackwardReduce> early_plan_;  // this step's reduces inside the backward
+    std::set<std::string> reduced_early_;     // the parameters they reduce (step() skips their reduce)
+    StreamTimer normuon_t_, adam_t_, transpose_t_, wait_t_, comm_t_;
 };
 
 // -----------------------------------------------------------------------------
@@ -3102,9 +2900,252 @@ int main(int argc, char** argv) {
 #endif  // TRAIN_GPT_NO_MAIN
 
 // =============================================================================================
-// THE HARNESS. Below this line: what a record never edits (logs and --diff-logs, --rerun and
-// --resume, checkpoints, the flags' machinery, main's setup and clock).
+// THE HARNESS. Below this line: what a record never edits. The flags' machinery, the loop
+// profiler, cuBLASLt's GEMM plan and autotune, logs and --diff-logs, checkpoints, and main's
+// setup (--rerun, --resume), clock and step lines.
 // =============================================================================================
+
+// -----------------------------------------------------------------------------
+// GEMMs: cuBLASLt's descriptors, the per-shape plan and its autotuning (the Gemms class is declared
+// above the line, with the calls the model and the optimizer make).
+
+std::string Gemms::plan_text() const {
+    std::string s;
+    for (const auto& [key, p] : plans_) {
+        const double tflop = 2e-12 * key.m * key.n * key.k * key.batch;  // per call, for the rate
+        std::string note = fixed_ ? "given"
+                           : p.tuned_ms_first > 0
+                               ? strprintf("tuned: %.4f ms, %.0f TFLOP/s; first choice %.4f ms", p.tuned_ms_best,
+                                           tflop / (p.tuned_ms_best * 1e-3), p.tuned_ms_first)
+                               : "first choice";
+        s += "gemm " + key_text(key) + " = " + algo_hex(p.candidates.front()) + " (" + note + ")\n";
+    }
+    return s;
+}
+
+void Gemms::set_plan(const std::string& text) {
+    std::map<std::string, cublasLtMatmulAlgo_t> plan = parse_plan(text);
+    if (!plans_.empty()) fail("set_plan: GEMMs have already run");
+    fixed_plan_ = std::move(plan);
+    fixed_ = true;
+}
+
+void Gemms::adopt_plan(const std::string& text) {
+    const std::map<std::string, cublasLtMatmulAlgo_t> plan = parse_plan(text);
+    for (auto& [key, p] : plans_) {
+        auto it = plan.find(key_text(key));
+        if (it != plan.end()) p.candidates = {it->second};
+    }
+}
+
+std::string Gemms::tuning_report() const {
+    int tuned = 0, changed = 0;
+    double saved = 0;
+    for (const auto& [key, p] : plans_) {
+        tuned += p.tuned_ms_first > 0;
+        changed += p.tuned_ms_first > p.tuned_ms_best;
+        saved += p.tuned_ms_first - p.tuned_ms_best;
+    }
+    return strprintf("%d GEMM shapes tuned, %d faster than cuBLASLt's first choice (%.3f ms per call of each, summed)",
+                     tuned, changed, saved);
+}
+
+void Gemms::release(Plan& p) {
+    if (p.desc) CUBLAS_CHECK(cublasLtMatmulDescDestroy(p.desc));
+    for (cublasLtMatrixLayout_t l : {p.a, p.b, p.c})
+        if (l) CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(l));
+}
+
+Gemms::Plan& Gemms::plan(const Key& key) {
+    auto it = plans_.find(key);
+    if (it != plans_.end()) return it->second;
+    Plan p;
+    const bool fp8 = key.ta != CUDA_R_16BF;
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    cublasOperation_t ta = key.opb == Op::T ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublasOperation_t tb = key.opa == Op::T ? CUBLAS_OP_T : CUBLAS_OP_N;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    if (fp8) {
+        int8_t fast = key.fast_accum ? 1 : 0;
+        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof fast));
+    }
+    // stored shapes, column-major: our B is n x k (op T) or k x n (op N) in row-major terms
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, key.tb, key.opb == Op::N ? key.n : key.k,
+                                            key.opb == Op::N ? key.k : key.n, key.ldb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, key.ta, key.opa == Op::N ? key.k : key.m,
+                                            key.opa == Op::N ? key.m : key.k, key.lda));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, key.tc, key.n, key.m, key.ldc));
+    if (key.batch > 1) {
+        const std::pair<cublasLtMatrixLayout_t, int64_t> layouts[] = {{p.a, key.stride_b}, {p.b, key.stride_a}, {p.c, key.stride_c}};
+        for (auto [layout, stride] : layouts) {
+            CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &key.batch, sizeof key.batch));
+            CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride));
+        }
+    }
+    cublasLtMatmulPreference_t pref;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                      &workspace_bytes_, sizeof workspace_bytes_));
+    uint32_t aa = key.align_b, ab = key.align_a, ac = key.align_c;  // cuBLASLt's A is our B
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aa, sizeof aa));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ab, sizeof ab));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ac, sizeof ac));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac, sizeof ac));
+    if (fp8) {  // the heuristic must see scaling; the real scale pointers are set per call
+        const void* any = workspace_;
+        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &any, sizeof any));
+        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &any, sizeof any));
+    }
+    cublasLtMatmulHeuristicResult_t results[GEMM_MAX_CANDIDATES];
+    int found = 0;
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, p.desc, p.a, p.b, p.c, p.c, pref, candidates_, results, &found));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+    for (int i = 0; i < found; ++i) p.candidates.push_back(results[i].algo);
+    if (found == 0) fatal("cuBLASLt has no algorithm for a " + describe(key));
+    if (fixed_ || frozen_) {  // no timing: the given plan's algorithm, else the heuristic's first choice
+        p.tuned = true;
+        auto it = fixed_plan_.find(key_text(key));
+        if (it != fixed_plan_.end()) p.candidates = {it->second};
+        else unplanned_ += fixed_;
+    }
+    return plans_.emplace(key, p).first->second;
+}
+
+std::string Gemms::key_text(const Key& k) {
+    auto type = [](cudaDataType t) {
+        return t == CUDA_R_16BF ? "bf16" : t == CUDA_R_32F ? "f32" : t == CUDA_R_8F_E4M3 ? "e4m3" : "e5m2";
+    };
+    return strprintf("%s,%s,%s %c%c m=%d n=%d k=%d ld=%lld,%lld,%lld fast=%d align=%d,%d,%d batch=%d stride=%lld,%lld,%lld",
+                     type(k.ta), type(k.tb), type(k.tc), k.opa == Op::N ? 'N' : 'T', k.opb == Op::N ? 'N' : 'T', k.m,
+                     k.n, k.k, (long long)k.lda, (long long)k.ldb, (long long)k.ldc, (int)k.fast_accum, k.align_a,
+                     k.align_b, k.align_c, k.batch, (long long)k.stride_a, (long long)k.stride_b, (long long)k.stride_c);
+}
+
+std::map<std::string, cublasLtMatmulAlgo_t> Gemms::parse_plan(const std::string& text) {
+    std::map<std::string, cublasLtMatmulAlgo_t> plan;
+    int line_no = 0;
+    for (const std::string& line : split(text, '\n')) {
+        ++line_no;
+        if (line.empty()) continue;
+        const size_t eq = line.find(" = "), paren = line.find(" (", eq == std::string::npos ? 0 : eq);
+        cublasLtMatmulAlgo_t algo;
+        if (line.rfind("gemm ", 0) != 0 || eq == std::string::npos || paren == std::string::npos || line.back() != ')' ||
+            !parse_algo_hex(line.substr(eq + 3, paren - eq - 3), algo))
+            fail(strprintf("GEMM plan line %d is not 'gemm SHAPE = ALGORITHM (note)': %s", line_no, line.c_str()));
+        if (!plan.emplace(line.substr(5, eq - 5), algo).second)
+            fail(strprintf("GEMM plan line %d names a shape twice: %s", line_no, line.c_str()));
+    }
+    return plan;
+}
+
+std::string Gemms::algo_hex(const cublasLtMatmulAlgo_t& a) {
+    std::string s;
+    for (uint64_t w : a.data) s += strprintf("%016llx", (unsigned long long)w);
+    return s;
+}
+
+bool Gemms::parse_algo_hex(const std::string& h, cublasLtMatmulAlgo_t& a) {
+    if (h.size() != 16 * std::size(a.data)) return false;
+    for (size_t i = 0; i < std::size(a.data); ++i) {
+        uint64_t w = 0;
+        for (char c : h.substr(16 * i, 16)) {
+            const int d = isdigit((unsigned char)c) ? c - '0' : (c >= 'a' && c <= 'f') ? c - 'a' + 10 : -1;
+            if (d < 0) return false;
+            w = w * 16 + d;
+        }
+        a.data[i] = w;
+    }
+    return true;
+}
+
+std::string Gemms::describe(const Key& key) {
+    return strprintf("%s GEMM of m=%d n=%d k=%d (lda %lld ldb %lld ldc %lld)", key.ta == CUDA_R_16BF ? "bf16" : "fp8",
+                     key.m, key.n, key.k, (long long)key.lda, (long long)key.ldb, (long long)key.ldc);
+}
+
+size_t Gemms::extent_bytes(const Key& key) {
+    const size_t elem = key.tc == CUDA_R_32F ? 4 : 2;
+    return elem * ((size_t)(key.batch - 1) * key.stride_c + (size_t)(key.m - 1) * key.ldc + key.n);
+}
+
+void Gemms::tune(cudaStream_t stream, const Key& key, Plan& p, const void* A, const void* B, const void* C, void* D,
+          float alpha, float beta) {
+    p.tuned = true;
+    if (!autotune_ || p.candidates.size() < 2) return;
+    void* saved = nullptr;
+    const size_t bytes = extent_bytes(key);
+    if (beta != 0.f && C == D) {
+        CUDA_CHECK(cudaMalloc(&saved, bytes));
+        CUDA_CHECK(cudaMemcpyAsync(saved, D, bytes, cudaMemcpyDeviceToDevice, stream));
+    }
+    cudaEvent_t ev[2];
+    for (cudaEvent_t& e : ev) CUDA_CHECK(cudaEventCreate(&e));
+    std::vector<std::pair<float, cublasLtMatmulAlgo_t>> timed;
+    for (size_t i = 0; i < p.candidates.size(); ++i) {
+        const cublasLtMatmulAlgo_t& algo = p.candidates[i];
+        auto call = [&] {
+            return cublasLtMatmul(lt_, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, D, p.c, &algo,
+                                  workspace(stream), workspace_bytes_, stream);
+        };
+        cublasStatus_t st = call();
+        if (st == CUBLAS_STATUS_NOT_SUPPORTED) continue;
+        if (st != CUBLAS_STATUS_SUCCESS)
+            fatal(strprintf("cublasLtMatmul failed for a %s: %s", describe(key).c_str(), cublasLtGetStatusString(st)));
+        float best = 1e30f;
+        for (int rep = 0; rep < 3; ++rep) {
+            CUDA_CHECK(cudaEventRecord(ev[0], stream));
+            CUBLAS_CHECK(call());
+            CUDA_CHECK(cudaEventRecord(ev[1], stream));
+            CUDA_CHECK(cudaEventSynchronize(ev[1]));
+            float ms;
+            CUDA_CHECK(cudaEventElapsedTime(&ms, ev[0], ev[1]));
+            best = std::min(best, ms);
+        }
+        if (i == 0) p.tuned_ms_first = best;
+        timed.push_back({best, algo});
+    }
+    for (cudaEvent_t e : ev) CUDA_CHECK(cudaEventDestroy(e));
+    if (saved) {
+        CUDA_CHECK(cudaMemcpyAsync(D, saved, bytes, cudaMemcpyDeviceToDevice, stream));
+        CUDA_CHECK(cudaStreamSynchronize(stream));
+        CUDA_CHECK(cudaFree(saved));
+    }
+    if (timed.empty()) fatal("no cuBLASLt algorithm runs a " + describe(key));
+    std::stable_sort(timed.begin(), timed.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+    if (p.tuned_ms_first == 0) p.tuned_ms_first = timed.front().first;  // the first choice did not run
+    p.tuned_ms_best = timed.front().first;
+    p.candidates.clear();
+    for (auto& [ms, algo] : timed) p.candidates.push_back(algo);
+}
+
+void Gemms::run(cudaStream_t stream, const Key& key, const void* A, const void* B, const void* C, void* D, float alpha,
+         float beta, const float* scale_a, const float* scale_b) {
+    Plan& p = plan(key);
+    if (scale_a) {  // cuBLASLt's A is our B
+        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_b, sizeof scale_b));
+        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_a, sizeof scale_a));
+    }
+    if (!p.tuned) tune(stream, key, p, A, B, C, D, alpha, beta);
+    // profiled: the model's GEMMs are a part of their own; the head's and the optimizer's count
+    // as those parts
+    const Part outer = profiled_part();
+    ProfiledPart part(outer == Part::Head || outer == Part::Optimizer ? outer : Part::Gemm, stream,
+                      2.0 * key.m * key.n * key.k * key.batch, key.ta != CUDA_R_16BF);
+    while (true) {
+        cublasStatus_t st = cublasLtMatmul(lt_, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, D, p.c,
+                                           &p.candidates.front(), workspace(stream), workspace_bytes_, stream);
+        if (st == CUBLAS_STATUS_SUCCESS) return;
+        if (st != CUBLAS_STATUS_NOT_SUPPORTED || p.candidates.size() == 1)
+            fatal(strprintf("cublasLtMatmul failed for a %s: %s", describe(key).c_str(), cublasLtGetStatusString(st)));
+        p.candidates.erase(p.candidates.begin());
+    }
+}
+
+void* Gemms::workspace(cudaStream_t stream) const {
+    auto it = stream_workspaces_.find(stream);
+    return it == stream_workspaces_.end() ? workspace_ : it->second;
+}
 
 // -----------------------------------------------------------------------------
 // Where a training step's time goes, measured in the real loop (--profile_steps N; `make bench`
