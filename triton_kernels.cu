@@ -17,19 +17,13 @@
 //   FusedSoftcappedCrossEntropy forward                 ce         softcapped_cross_entropy
 //     (fused_softcapped_entropy_fwd_kernel; in eval,
 //     23 sigmoid((logits + 5) / 7.5) + F.cross_entropy)
-//     training's, from the lm_head GEMM's partial sums  ce, lrs   lm_head_logits_fp8 (mm_t_op's forward
-//     (--fused_lm_head_loss)                                       GEMM), softcapped_ce_from_partials
 //   FusedSoftcappedCrossEntropy backward                ce         softcapped_ce_grad_fp8
 //     (fused_softcapped_entropy_bwd_kernel) and the
 //     grad.div(grad_s) e5m2 cast of mm_t_backward_op
 //   norm = F.rms_norm, forward / backward               rmsnorm    rms_norm_forward / rms_norm_backward
-//   linear_relu_square's epilogues (FusedLinear-        relu2      relu_square_forward / relu_square_backward
-//     ReLUSquareFunction): relu(pre)^2, and with
-//     aux=pre 2 dpost relu(pre) (--fused_mlp false)
-//   linear_relu_square fused: the c_fc GEMM with        lrs        linear_relu_square_forward /
-//     relu(pre)^2, the dpost GEMM with 2 dpost relu(pre)           linear_relu_square_backward
-//     (128 x 128 ping-pong tiles, or 128 x 256 with an             (gemm_kernel, wide_gemm_kernel)
-//     epilogue in warps of its own)
+//   linear_relu_square (FusedLinearReLUSquare-          lrs        linear_relu_square_forward /
+//     Function): the c_fc GEMM with relu(pre)^2, the               linear_relu_square_backward
+//     dpost GEMM with 2 dpost relu(pre)
 //   mm_t_op's fp8 casts of x and w (e4m3), row-major    fp8cast    cast_to_fp8
 //     and transposed (the backward's x_f8.T, w_f8.T)
 //   QK norm + rotary (Yarn, YarnPairedHead) + the       qkrope     rope_table (Yarn's cos/sin tables),
@@ -146,32 +140,15 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss(float* d, uint64_t da, uint6
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(da), "l"(db), "n"(MN_MAJOR));
 }
-// d (64 x 128) += A (64 x 32, smem) . B (32 x 128, smem), e4m3, both K-major (the only layout fp8
-// wgmma takes); the tensor cores sum in their own reduced-precision accumulator (cuBLASLt's fast_accum)
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3_ss(float* d, uint64_t da, uint64_t db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db));
-}
 // the 128 accumulator operands of an m64n256 MMA, and their places in its instruction
 #define TK_ACC128(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 #define TK_D128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
 // d (64 x 256) += A (64 x 16, smem) . B (16 x 256, smem), both K-major: B's tile read once for 256
-// columns, where two m64n128 MMAs read their A and B for 128 each
+// columns (the MLP's GEMMs)
 __device__ __forceinline__ void wgmma_m64n256k16_ss(float* d, uint64_t da, uint64_t db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " TK_D128 ", %128, %129, p, 1, 1, 0, 0;\n}\n"
-        : TK_ACC128(d)
-        : "l"(da), "l"(db));
-}
-// the same in e4m3, 32 of k (the fp8 layout of wgmma_m64n128k32_e4m3_ss)
-__device__ __forceinline__ void wgmma_m64n256k32_e4m3_ss(float* d, uint64_t da, uint64_t db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 " TK_D128 ", %128, %129, p, 1, 1;\n}\n"
         : TK_ACC128(d)
         : "l"(da), "l"(db));
 }
@@ -204,16 +181,6 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
         "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
         ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
 }
-// TMA stores of boxes from shared memory, in bulk groups: commit after issuing; before the shared
-// memory is written again, wait until the group's reads of it are done (wait_read), and before the
-// CTA exits until its writes are (wait_all)
-__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, int c0, int c1, uint32_t src) {
-    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
-                 ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(src) : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 // A bf16 tensor of `rank` dimensions (dims innermost first, byte strides of the outer ones) as TMA
 // boxes of `box` elements, in the 128-byte swizzle that wgmma reads; coordinates past dims read zeros
 inline CUresult make_tensor_map(CUtensorMap* map, const void* ptr, int rank, const cuuint64_t* dims,
@@ -1398,30 +1365,6 @@ __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) 
     }
 }
 
-// ---- forward from the lm_head's partial sums: training's loss and lse, one warp per row ----
-//
-// The fused lm_head GEMM (lm_head_logits_fp8) leaves each row's sum of exp(softcap(logit)) over each
-// 128 columns in partial (row stride ld_partial, n_part of them); a lane sums every 32nd in column
-// order, the warp's butterfly the lanes' sums: lse = log of it. The loss takes the targets' logits.
-__global__ void loss_from_partials_kernel(const Params p, const float* partial, int64_t ld_partial, int n_part) {
-    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
-    if (row >= p.rows) return;
-    const float* part = partial + row * ld_partial;
-    float sum = 0.f;
-    for (int j = lane; j < n_part; j += 32) sum += part[j];
-    const float lse = logf(tk::warp_sum(sum));
-    if (lane != 0) return;
-    const TanhCap tc(p);
-    const __nv_bfloat16* x = p.logits + (int64_t)row * p.ld;
-    float loss = 0.f;
-    for (int k = 0; k < p.n_predict && row + k < p.target_rows; ++k) {
-        const int t = p.targets[row + k];
-        if (t >= 0 && t < p.vocab) loss += p.w[k] * (lse - fmaf(tc.h, tc.t(__bfloat162float(x[t])), tc.h));
-    }
-    p.losses[row] = loss;
-    p.lse[row] = lse;
-}
-
 // ---- backward: the gradient, in fp8 for the lm_head's GEMMs ----
 //
 // The cross-entropy's gradient straight to fp8 (e5m2, / grad_s), in both layouts the lm_head's
@@ -1690,80 +1633,30 @@ inline cudaError_t rms_norm_backward(const __nv_bfloat16* x, int64_t ldx, const 
 }
 
 // -----------------------------------------------------------------------------
-// ReLU^2 of the MLP (record 61 fuses it into the c_fc GEMM's epilogue; here one pass after it):
-// forward post = relu(pre)^2; backward dpre = 2 dpost relu(pre). bf16, 8 elements per thread.
-// relu(x)^2 (arXiv 2109.08668): suggested by @SKYLINEZ007 and @Grad62304977; the record's fused
-// linear_relu_square kernel: @andrewbriand, @jrauvola.
-
-namespace relu2 {
-
-__global__ void fwd_kernel(const __nv_bfloat16* pre, __nv_bfloat16* post, int64_t n8) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8; i += (int64_t)gridDim.x * blockDim.x) {
-        float f[8];
-        tk::load8(pre + i * 8, f);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) f[e] = fmaxf(f[e], 0.f) * fmaxf(f[e], 0.f);
-        tk::store8(post + i * 8, f);
-    }
-}
-
-__global__ void bwd_kernel(const __nv_bfloat16* pre, const __nv_bfloat16* dpost, __nv_bfloat16* dpre, int64_t n8) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8; i += (int64_t)gridDim.x * blockDim.x) {
-        float f[8], d[8];
-        tk::load8(pre + i * 8, f);
-        tk::load8(dpost + i * 8, d);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) d[e] = 2.f * d[e] * fmaxf(f[e], 0.f);
-        tk::store8(dpre + i * 8, d);
-    }
-}
-
-}  // namespace relu2
-
-// n: elements, a multiple of 8 (contiguous, 16-byte aligned buffers). dpre may alias dpost.
-inline cudaError_t relu_square_forward(const __nv_bfloat16* pre, __nv_bfloat16* post, int64_t n, cudaStream_t stream) {
-    if (n % 8) return cudaErrorInvalidValue;
-    const int64_t n8 = n / 8;
-    relu2::fwd_kernel<<<tk::grid_stride_blocks(n8, 16), 256, 0, stream>>>(pre, post, n8);
-    return cudaGetLastError();
-}
-inline cudaError_t relu_square_backward(const __nv_bfloat16* pre, const __nv_bfloat16* dpost, __nv_bfloat16* dpre,
-                                        int64_t n, cudaStream_t stream) {
-    if (n % 8) return cudaErrorInvalidValue;
-    const int64_t n8 = n / 8;
-    relu2::bwd_kernel<<<tk::grid_stride_blocks(n8, 16), 256, 0, stream>>>(pre, dpost, dpre, n8);
-    return cudaGetLastError();
-}
-
-// -----------------------------------------------------------------------------
 // linear_relu_square's GEMMs with their epilogues (record 61's FusedLinearReLUSquareFunction, whose
 // Triton kernels fuse the same way): the forward's c_fc GEMM writes pre and post = relu(pre)^2 in
 // one pass, the backward's dpost GEMM writes dpre = 2 dpost relu(pre) (dpost never stored): no
-// separate passes over the 4 x 768-wide activations.
+// separate passes over the 4 x 768-wide activations. relu(x)^2 (arXiv 2109.08668): suggested by
+// @SKYLINEZ007 and @Grad62304977; the record's fused linear_relu_square kernel: @andrewbriand, @jrauvola.
+//
+// Persistent, one CTA an SM, 128 x 256 output tiles: a producer warp streams the A and B tiles of the
+// CTA's output tiles by TMA, in order, through the STAGES buffers; the two consumer warpgroups take 64 rows
+// each with m64n256 MMAs, and the producer warpgroup's other three warps run the epilogue. The SM's
+// shared memory (128 bytes a cycle) is what bounds the kernel, the epilogue's staging included: these
+// tiles read 16 KB of it per 128 x 128 x 16. The consumers leave their accumulators in bf16 in the
+// staging tile and go on to the next tile's MMAs; the epilogue warps take the tile from there, a warp a
+// row of 256 columns in 16-byte chunks: pre and post, or dpre (which the consumers staged over the
+// tile's pre, fetched there by the epilogue warps while the MMAs ran). (Not a fourth warpgroup: at 512
+// threads ptxas compiles every instruction within 128 registers, and an m64n256 MMA needs about 154.)
 namespace lrs {
 
-constexpr int BM = 128, BN = 128, BK = 64, THREADS = 384;
+constexpr int BM = 128, BN = 256, BK = 64, THREADS = 384, STAGES = 3, EPI_WARPS = 3;
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int STAGE_ROW = BN * 2 + 16;  // the threads' epilogue's bf16 tile, rows padded
-// the TMA epilogue's staging is two swizzled boxes, unpadded: room for a fifth stage
-template <bool TMA> constexpr int STAGES = TMA ? 5 : 4;
-template <bool TMA> constexpr int STAGING_BYTES = TMA ? BM * BN * 2 : BM * STAGE_ROW;
-template <bool TMA>
-constexpr int SMEM = STAGES<TMA> * STAGE_BYTES + 2 * STAGING_BYTES<TMA> + 1024 + 8 * (2 * STAGES<TMA> + 4);
-static_assert(SMEM<true> <= 232448 && SMEM<false> <= 232448, "shared memory");
+constexpr int STAGE_ROW = BN * 2 + 16;  // the staging's bf16 rows, padded: the fragments' stores hit 32 banks
+constexpr int SMEM = STAGES * STAGE_BYTES + BM * STAGE_ROW + 1024 + 8 * (2 * STAGES + 3);
+static_assert(SMEM <= 232448, "shared memory");
 
 using tk::mbar_arrive, tk::mbar_expect_tx, tk::mbar_init, tk::mbar_wait, tk::tma_load_2d;
-
-// EPI 2 (the lm_head's logits): the output scale, and each row's sum of exp(softcap(logit)) per
-// 128-column tile into partial (row stride ld_partial), with the training loss's soft-cap (tanh form)
-struct EpiArgs {
-    float scale = 1.f;
-    float* partial = nullptr;
-    int64_t ld_partial = 0;
-    ce::TanhCap cap;
-    float hL = 0.f;  // exp(softcap(x)) = 2^(hL t(x) + hL)
-    __device__ float exp_softcap(float x) const { return tk::fast_exp2(fmaf(cap.t(x), hL, hL)); }
-};
 
 // The backward's dpre = 2 relu(pre) dpost of a bf16 pair of dpost (v), over the pair of pre at pre_at in
 // shared memory
@@ -1775,92 +1668,22 @@ __device__ __forceinline__ uint32_t dpre_pair(uint32_t v, uint32_t pre_at) {
     return tk::pack_bf16(2.f * g.x * fmaxf(p.x, 0.f), 2.f * g.y * fmaxf(p.y, 0.f));
 }
 
-// A consumer's accumulators as bf16 into its staging tile, at addr(row, j) for the 4-byte pair of
-// columns 8j + 2 (lane % 4) of a row (accumulator [n8 tile j][e] of rows 0-63 in acc[0..63], of rows
-// 64-127 in acc[64..127], at row warp * 16 + lane / 4, + 8 for e >= 2): the forward's pre, or with POST
-// post = relu(pre)^2 of that bf16 pre; the backward's dpre = 2 relu(pre) bf16(acc) over the pre there;
-// EPI 2: the logits scale * acc, and the four rows' sums of exp(softcap()) of those bf16 logits over
-// this thread's columns into sums[2 mh + h]
-template <int EPI, bool POST, typename Addr>
-__device__ __forceinline__ void stage_tile(const float* acc, int warp, int lane, Addr addr, const EpiArgs& ea = {},
-                                           float* sums = nullptr) {
-    const float scale = EPI == 2 ? ea.scale : 1.f;
-#pragma unroll
-    for (int mh = 0; mh < 2; ++mh)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                const uint32_t at = addr(64 * mh + warp * 16 + lane / 4 + 8 * h, j);
-                uint32_t v = EPI == 2 ? tk::pack_bf16(acc[64 * mh + 4 * j + 2 * h] * scale,
-                                                      acc[64 * mh + 4 * j + 2 * h + 1] * scale)
-                                      : tk::pack_bf16(acc[64 * mh + 4 * j + 2 * h], acc[64 * mh + 4 * j + 2 * h + 1]);
-                if constexpr (EPI == 2) {
-                    const float lo = __uint_as_float(v << 16), hi = __uint_as_float(v & 0xffff0000u);
-                    sum += ea.exp_softcap(lo);
-                    sum += ea.exp_softcap(hi);
-                }
-                if (EPI == 1) v = dpre_pair(v, at);
-                if (POST) {
-                    const float2 p = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-                    v = tk::pack_bf16(fmaxf(p.x, 0.f) * fmaxf(p.x, 0.f), fmaxf(p.y, 0.f) * fmaxf(p.y, 0.f));
-                }
-                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(v));
-            }
-            if constexpr (EPI == 2) sums[2 * mh + h] = sum;
-        }
+// The tile order and the stage pipeline. Tiles run along the wider side of C: the CTAs at work at once
+// share the narrower operand's few tiles and sweep the wider one's, so that the narrower stays in L2
+// (the MLP: all of w).
+__device__ __forceinline__ void tile_origin(int t, int MT, int NT, int& m0, int& n0) {
+    if (MT <= NT) m0 = t % MT * BM, n0 = t / MT * BN;
+    else m0 = t / NT * BM, n0 = t % NT * BN;
 }
-
-// The TMA epilogue of a consumer's tile: the accumulators (rows 0-63 in acc[0..63], 64-127 in
-// acc[64..127]) as bf16 into the staging's two swizzled 128 x 64 boxes (16-byte chunk c of row r at
-// chunk c ^ (r % 8): a warp's 4-byte stores hit 32 banks), the backward's dpre = 2 relu(pre) bf16(acc)
-// over its pre tile there (loaded on pre_bar); then one thread stores the boxes (the forward: pre,
-// then post = relu(pre)^2 through the same staging once the first stores have read it).
-template <int EPI>
-__device__ __forceinline__ void epilogue_tma(const float* acc, uint32_t tile, uint32_t pre_bar, int pre_parity, int wg,
-                                             int t128, const CUtensorMap* tc0, const CUtensorMap* tc1, int m0, int n0) {
-    const int warp = t128 / 32, lane = t128 % 32;
-    if (EPI == 1) mbar_wait(pre_bar, pre_parity);
-    auto addr = [&](int r, int j) {  // column 8j + 2 (lane % 4) of row r
-        return tile + (j / 8) * (BM * 128) + r * 128 + ((((j % 8) ^ (r & 7))) << 4) + 4 * (lane % 4);
-    };
-    for (int pass = 0; pass < (EPI == 0 ? 2 : 1); ++pass) {
-        if (pass == 1) {  // post: once pre's stores have read the staging
-            if (t128 == 0) tk::bulk_wait_read();
-            asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
-        }
-        if (pass == 0) stage_tile<EPI, false>(acc, warp, lane, addr);
-        else stage_tile<EPI, true>(acc, warp, lane, addr);
-        tk::fence_proxy_async();  // the threads' writes, visible to the TMA unit's reads
-        asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
-        if (t128 == 0) {
-            const CUtensorMap* map = pass == 0 ? tc0 : tc1;
-            tk::tma_store_2d(map, n0, m0, tile);
-            tk::tma_store_2d(map, n0 + 64, m0, tile + BM * 128);
-            tk::bulk_commit();
-        }
-    }
-}
-
-// The tile order and the stage pipeline that gemm_kernel and wide_gemm_kernel share. Tiles run along
-// the wider side of C: the CTAs at work at once share the narrower operand's few tiles and sweep the
-// wider one's, so that the narrower stays in L2 (the MLP: all of w; the lm_head's 8192-row chunks: all
-// of x, where sweeping rows would stream its 38.6 MB of w from DRAM once per 128 rows).
-__device__ __forceinline__ void tile_origin(int t, int MT, int NT, int bn, int& m0, int& n0) {
-    if (MT <= NT) m0 = t % MT * BM, n0 = t / MT * bn;
-    else m0 = t / NT * BM, n0 = t % NT * bn;
-}
-// The producer (one thread): the A (BM rows) and B (bn rows) boxes of the CTA's tiles k-tile by k-tile
+// The producer (one thread): the A (BM rows) and B (BN rows) boxes of the CTA's tiles k-tile by k-tile
 // through the STAGES buffers (full[s] at bars + 8s, empty[s] at bars + 8 (STAGES + s)); a box's rows
 // past M or N count toward the bytes too (zeros)
-template <int STAGES, int A_BYTES, int STAGE_BYTES>
 __device__ __forceinline__ void produce(const CUtensorMap* ta, const CUtensorMap* tb, uint32_t base, uint32_t bars,
-                                        int tiles, int KT, int MT, int NT, int bn) {
+                                        int tiles, int KT, int MT, int NT) {
     int q = 0;  // position in the CTA's sequence of k-tiles, over all its output tiles
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         int m0, n0;
-        tile_origin(t, MT, NT, bn, m0, n0);
+        tile_origin(t, MT, NT, m0, n0);
         for (int kt = 0; kt < KT; ++kt, ++q) {
             const int s = q % STAGES;
             if (q >= STAGES) mbar_wait(bars + 8 * (STAGES + s), ((q / STAGES) & 1) ^ 1);
@@ -1872,15 +1695,13 @@ __device__ __forceinline__ void produce(const CUtensorMap* ta, const CUtensorMap
     }
 }
 // A consumer's k loop over its tile's stages (q0: the CTA's k-tiles before this tile): wait for each
-// stage's copies, then after(kt), issue mma(the stage's address), and hand the previous stage back
-// once its MMAs are done; at the end the last one's, with acc complete
-template <int STAGES, int STAGE_BYTES, typename After, typename Mma>
-__device__ __forceinline__ void consume(float* acc, uint32_t base, uint32_t bars, int q0, int KT, int t128, After after,
-                                        Mma mma) {
+// stage's copies, issue mma(the stage's address), and hand the previous stage back once its MMAs are
+// done; at the end the last one's, with acc complete
+template <typename Mma>
+__device__ __forceinline__ void consume(float* acc, uint32_t base, uint32_t bars, int q0, int KT, int t128, Mma mma) {
     for (int kt = 0; kt < KT; ++kt) {
         const int q = q0 + kt, s = q % STAGES;
         mbar_wait(bars + 8 * s, (q / STAGES) & 1);
-        after(kt);
         tk::wgmma_fence();
         mma(base + s * STAGE_BYTES);
         tk::wgmma_commit();
@@ -1892,195 +1713,11 @@ __device__ __forceinline__ void consume(float* acc, uint32_t base, uint32_t bars
     if (t128 == 0) mbar_arrive(bars + 8 * (STAGES + (q0 + KT - 1) % STAGES));
 }
 
-// Persistent, one CTA an SM, in ping-pong (CUTLASS's warp-specialized ping-pong schedule): a producer
-// warp streams the A and B tiles of the CTA's output tiles, in order, through the STAGES buffers; the two
-// consumer warpgroups take the tiles in turn, each a whole 128 x 128 tile, so that one's epilogue (the
-// stores of pre and post, or the loads of pre) runs while the other's MMAs keep the tensor cores busy.
-// TMA (--mlp_tma_epilogue): the tile goes out of shared memory by TMA stores, as two 128 x 64 boxes in
-// the 128-byte swizzle (tc0: c0's map; tc1: c1's, or pre's, whose tile the backward loads by TMA
-// during the MMAs), where the consumer's threads copied it out 16 bytes at a time.
-template <int EPI, bool TMA>
-__global__ void __launch_bounds__(THREADS, 1)
-    gemm_kernel(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb,
-                const __grid_constant__ CUtensorMap tc0, const __grid_constant__ CUtensorMap tc1, int M, int N, int K,
-                __nv_bfloat16* c0, __nv_bfloat16* c1, const __nv_bfloat16* pre, int64_t ldc, const EpiArgs ea) {
-    constexpr int STAGES = lrs::STAGES<TMA>, STAGING_BYTES = lrs::STAGING_BYTES<TMA>;
-    extern __shared__ unsigned char smem_raw[];
-    const uint32_t base = (tk::smem_u32(smem_raw) + 1023) & ~1023u;
-    const uint32_t staging = base + STAGES * STAGE_BYTES;  // each consumer's epilogue tile
-    // full[s] at bars + 8s, empty[s] at bars + 8 (STAGES + s), turn[w] at bars + 8 (2 STAGES + w), the
-    // TMA backward's pre tile of consumer w at bars + 8 (2 STAGES + 2 + w)
-    const uint32_t bars = staging + 2 * STAGING_BYTES;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int KT = K / BK, NT = N / BN, MT = (M + BM - 1) / BM, tiles = MT * NT;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s, 1), mbar_init(bars + 8 * (STAGES + s), 1);
-        for (int b = 2 * STAGES; b < 2 * STAGES + 4; ++b) mbar_init(bars + 8 * b, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-    if (warp < 4) {  // the producer warpgroup: one thread issues the loads
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-        if (threadIdx.x == 0) produce<STAGES, A_BYTES, STAGE_BYTES>(&ta, &tb, base, bars, tiles, KT, MT, NT, BN);
-        return;
-    }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-    const int wg = warp / 4 - 1;  // consumer 0 takes the CTA's even tiles, consumer 1 its odd ones
-    const uint32_t tile = staging + wg * STAGING_BYTES;
-    const int t128 = threadIdx.x % 128;
-    for (int i = wg;; i += 2) {
-        const int t = blockIdx.x + i * gridDim.x;
-        if (t >= tiles) break;
-        int m0, n0;
-        tile_origin(t, MT, NT, BN, m0, n0);
-        // the epilogue goes through shared memory, so that the global stores (and the backward's loads
-        // of pre) are whole 16-byte chunks, 16 threads to a row: the tile in bf16, row stride STAGE_ROW
-        // (padded 16 bytes so that the fragment accesses hit 32 banks). Once the last tile's reads of it
-        // are done, the backward fetches its pre tile there (cp.async), to arrive during the MMAs.
-        const uint32_t pre_bar = bars + 8 * (2 * STAGES + 2 + wg);
-        if (TMA) {  // this consumer's last stores have read its staging (and every thread's reads are done)
-            tk::fence_proxy_async();
-            if (t128 == 0) tk::bulk_wait_read();
-        }
-        asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
-        if (TMA && EPI == 1 && t128 == 0) {
-            mbar_expect_tx(pre_bar, BM * BN * 2);
-            tma_load_2d(tile, &tc1, n0, m0, pre_bar);
-            tma_load_2d(tile + BM * 128, &tc1, n0 + 64, m0, pre_bar);
-        }
-        if (!TMA && EPI == 1) {
-#pragma unroll 4
-            for (int it = 0; it < BM * BN / 8 / 128; ++it) {
-                const int c = it * 128 + t128, r = c / (BN / 8), ch = c % (BN / 8), row = m0 + r;
-                tk::cp_async16(tile + r * STAGE_ROW + ch * 16, pre + (int64_t)min(row, M - 1) * ldc + n0 + 8 * ch,
-                               row < M ? 16 : 0);
-            }
-            tk::cp_async_commit();
-        }
-        float acc[128];  // rows 0-63 of the tile in acc[0..63], rows 64-127 in acc[64..127]
-#pragma unroll
-        for (int j = 0; j < 128; ++j) acc[j] = 0.f;
-        // the turns keep the consumers' waits on the full barriers in the producer's order: a wait on a
-        // barrier's parity is only sound one phase ahead, so a consumer starts its tile's waits once the
-        // other has made its last of the tile before
-        const uint32_t my_turn = bars + 8 * (2 * STAGES + wg), their_turn = bars + 8 * (2 * STAGES + 1 - wg);
-        if (i > 0) mbar_wait(my_turn, ((i - 1) / 2) & 1);
-        const int q0 = i * KT;
-        consume<STAGES, STAGE_BYTES>(
-            acc, base, bars, q0, KT, t128, [&](int kt) { if (kt == KT - 1 && t128 == 0) mbar_arrive(their_turn); },
-            [&](uint32_t sa) {
-                const uint32_t sb = sa + A_BYTES;
-#pragma unroll
-                for (int kk = 0; kk < BK / 16; ++kk) {
-                    const uint64_t db = tk::smem_desc(sb + kk * 32, 16, 1024);
-                    const uint64_t da0 = tk::smem_desc(sa + kk * 32, 16, 1024), da1 = tk::smem_desc(sa + 64 * 128 + kk * 32, 16, 1024);
-                    if constexpr (EPI == 2) {  // 32 fp8 values of k in the 32 bytes that hold 16 bf16 ones
-                        tk::wgmma_m64n128k32_e4m3_ss(acc, da0, db);
-                        tk::wgmma_m64n128k32_e4m3_ss(acc + 64, da1, db);
-                    } else {
-                        tk::wgmma_m64n128k16_ss<0>(acc, da0, db);
-                        tk::wgmma_m64n128k16_ss<0>(acc + 64, da1, db);
-                    }
-                }
-            });
-        if (TMA) {
-            epilogue_tma<EPI>(acc, tile, pre_bar, (i / 2) & 1, wg, t128, &tc0, &tc1, m0, n0);
-            continue;
-        }
-        if (EPI == 1) {
-            tk::cp_async_wait<0>();
-            asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");  // every thread's part of pre is in
-        }
-        // the forward stores pre there, the backward dpre over its pre, the lm_head its logits
-        auto staged = [&](int r, int j) { return tile + r * STAGE_ROW + (8 * j + 2 * (lane % 4)) * 2; };
-        if constexpr (EPI == 2) {
-            float sums[4];
-            stage_tile<EPI, false>(acc, warp % 4, lane, staged, ea, sums);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {  // the quad's 4 x 8 columns of the row, in a fixed order
-                float v = sums[i];
-                v += __shfl_xor_sync(0xffffffffu, v, 1);
-                v += __shfl_xor_sync(0xffffffffu, v, 2);
-                const int row = m0 + 64 * (i / 2) + (warp % 4) * 16 + lane / 4 + 8 * (i % 2);
-                if (lane % 4 == 0 && row < M) ea.partial[row * ea.ld_partial + n0 / BN] = v;
-            }
-        } else {
-            stage_tile<EPI, false>(acc, warp % 4, lane, staged);
-        }
-        asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
-#pragma unroll 4
-        for (int it = 0; it < BM * BN / 8 / 128; ++it) {
-            const int c = it * 128 + t128, r = c / (BN / 8), ch = c % (BN / 8), row = m0 + r;
-            if (row >= M) continue;
-            const uint4 v = tk::lds128(tile + r * STAGE_ROW + ch * 16);
-            const int64_t at = (int64_t)row * ldc + n0 + 8 * ch;
-            *reinterpret_cast<uint4*>(c0 + at) = v;
-            if (EPI == 0) {
-                float f[8], o[8];
-                const __nv_bfloat162* vb = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float2 x = __bfloat1622float2(vb[e]);
-                    f[2 * e] = x.x, f[2 * e + 1] = x.y;
-                }
-#pragma unroll
-                for (int e = 0; e < 8; ++e) o[e] = fmaxf(f[e], 0.f) * fmaxf(f[e], 0.f);
-                tk::store8(c1 + at, o);
-            }
-        }
-    }
-    if (TMA && t128 == 0) tk::bulk_wait_all();  // the last tiles' stores have landed
-}
-
-// k: the operands' width in bf16 (EPI 2: half their fp8 width)
-template <int EPI, bool TMA>
-inline cudaError_t launch(const void* a, const void* w, int rows, int n, int k, __nv_bfloat16* c0, __nv_bfloat16* c1,
-                          const __nv_bfloat16* pre, cudaStream_t stream, const EpiArgs& ea = {}) {
-    if (n % BN || k % BK || rows <= 0) return rows == 0 ? cudaSuccess : cudaErrorInvalidValue;
-    CUtensorMap ta, tb, tc0{}, tc1{};
-    if (tk::make_matrix_map(&ta, a, rows, k, k, BM) != CUDA_SUCCESS ||
-        tk::make_matrix_map(&tb, w, n, k, k, BN) != CUDA_SUCCESS)
-        return cudaErrorInvalidValue;
-    if (TMA && (tk::make_matrix_map(&tc0, c0, rows, n, n, BM) != CUDA_SUCCESS ||
-                tk::make_matrix_map(&tc1, EPI == 0 ? c1 : pre, rows, n, n, BM) != CUDA_SUCCESS))
-        return cudaErrorInvalidValue;
-    static bool smem_set = false;
-    cudaError_t e = tk::allow_smem(gemm_kernel<EPI, TMA>, SMEM<TMA>, smem_set);
-    if (e != cudaSuccess) return e;
-    const int tiles = (rows + BM - 1) / BM * (n / BN);
-    gemm_kernel<EPI, TMA><<<std::min(tiles, tk::num_sms()), THREADS, SMEM<TMA>, stream>>>(ta, tb, tc0, tc1, rows, n, k, c0, c1,
-                                                                                    pre, n, ea);
-    return cudaGetLastError();
-}
-
-// Wide tiles (--mlp_wide_forward, --mlp_wide_backward): each CTA takes 128 x 256 output tiles, its two
-// consumer warpgroups 64 rows each with m64n256 MMAs, and the producer warpgroup's other three warps run
-// the epilogue. The ping-pong above reads 20 KB of shared memory per 128 x 128 x 16 (its m64n128 pairs
-// read B twice, and the TMA writes A and B), these tiles 16 KB, and the SM's shared memory (128 bytes a
-// cycle) is what bounds both, the epilogue's staging included. The consumers leave their accumulators in bf16 in the
-// staging tile and go on to the next tile's MMAs (the cooperative kernel had waited for its stores);
-// the epilogue warps take the tile from there, a warp a row of 256 columns in 16-byte chunks: pre and
-// post, dpre (which the consumers staged over the tile's pre, fetched there by the epilogue warps while
-// the MMAs ran), or the logits and their rows' sums of exp(softcap) per 128 columns. (Not a fourth
-// warpgroup: at 512 threads ptxas compiles every instruction within 128 registers, and an m64n256 MMA
-// needs about 154.) Timed alone at a 393k micro-batch: the forward 354 us against the ping-pong's 379,
-// the backward 393 against 415 (439 while the epilogue warps loaded pre from global memory themselves)
-// and the lm_head's 994 against 688 a chunk: three warps are too few for two SFU operations a logit, so
-// the trainer runs only the MLP's GEMMs this way.
-namespace wide {
-constexpr int BN = 256, STAGES = 3, EPI_WARPS = 3;
-constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int STAGE_ROW = BN * 2 + 16;  // the staging's bf16 rows, padded: the fragments' stores hit 32 banks
-constexpr int SMEM = STAGES * STAGE_BYTES + BM * STAGE_ROW + 1024 + 8 * (2 * STAGES + 3);
-static_assert(SMEM <= 232448, "shared memory");
-}  // namespace wide
-
+// EPI 0: the forward (c0 = pre, c1 = post); EPI 1: the backward (c0 = dpre, over pre)
 template <int EPI>
 __global__ void __launch_bounds__(THREADS, 1)
-    wide_gemm_kernel(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb, int M, int N, int K,
-                     __nv_bfloat16* c0, __nv_bfloat16* c1, const __nv_bfloat16* pre, int64_t ldc, const EpiArgs ea) {
-    constexpr int BN = wide::BN, STAGES = wide::STAGES, A_BYTES = wide::A_BYTES, STAGE_BYTES = wide::STAGE_BYTES,
-                  STAGE_ROW = wide::STAGE_ROW, EPI_WARPS = wide::EPI_WARPS;
+    gemm_kernel(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb, int M, int N, int K,
+                __nv_bfloat16* c0, __nv_bfloat16* c1, const __nv_bfloat16* pre, int64_t ldc) {
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (tk::smem_u32(smem_raw) + 1023) & ~1023u;
     const uint32_t staging = base + STAGES * STAGE_BYTES;
@@ -2105,27 +1742,24 @@ __global__ void __launch_bounds__(THREADS, 1)
             float acc[128];
 #pragma unroll
             for (int j = 0; j < 128; ++j) acc[j] = 0.f;
-            consume<STAGES, STAGE_BYTES>(acc, base, bars, i * KT, KT, t128, [](int) {}, [&](uint32_t stage) {
+            consume(acc, base, bars, i * KT, KT, t128, [&](uint32_t stage) {
                 const uint32_t sa = stage + wg * 64 * 128, sb = stage + A_BYTES;
 #pragma unroll
                 for (int kk = 0; kk < BK / 16; ++kk) {
                     const uint64_t da = tk::smem_desc(sa + kk * 32, 16, 1024), db = tk::smem_desc(sb + kk * 32, 16, 1024);
-                    if constexpr (EPI == 2) tk::wgmma_m64n256k32_e4m3_ss(acc, da, db);
-                    else tk::wgmma_m64n256k16_ss(acc, da, db);
+                    tk::wgmma_m64n256k16_ss(acc, da, db);
                 }
             });
             // the epilogue has read the last tile's staging (EPI 1: and filled it with this tile's pre)
             if (EPI == 1) mbar_wait(pre_ready, i & 1);
             else if (i > 0) mbar_wait(freed, (i - 1) & 1);
-            const float scale = EPI == 2 ? ea.scale : 1.f;
             const uint32_t at = staging + (64 * wg + (warp % 4) * 16 + lane / 4) * STAGE_ROW + 4 * (lane % 4);
 #pragma unroll
             for (int j = 0; j < 32; ++j)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const float lo = acc[4 * j + 2 * h] * scale, hi = acc[4 * j + 2 * h + 1] * scale;
                     const uint32_t a = at + 8 * h * STAGE_ROW + 16 * j;
-                    uint32_t v = tk::pack_bf16(lo, hi);
+                    uint32_t v = tk::pack_bf16(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
                     if (EPI == 1) v = dpre_pair(v, a);
                     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(v));
                 }
@@ -2135,7 +1769,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     asm volatile("setmaxnreg.dec.sync.aligned.u32 104;\n");
     if (warp == 0) {  // the producer: one thread issues the loads
-        if (lane == 0) produce<STAGES, A_BYTES, STAGE_BYTES>(&ta, &tb, base, bars, tiles, KT, MT, NT, BN);
+        if (lane == 0) produce(&ta, &tb, base, bars, tiles, KT, MT, NT);
         return;
     }
     // the epilogue: warp ew takes rows ew, ew + 3, ... of the staged tile, 8 columns a lane, 8 rows at a
@@ -2151,7 +1785,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     };
     if (EPI == 1 && blockIdx.x < tiles) {
         int m0, n0;
-        tile_origin(blockIdx.x, MT, NT, BN, m0, n0);
+        tile_origin(blockIdx.x, MT, NT, m0, n0);
         for (int r = ew; r < BM; r += EPI_WARPS) fetch_pre(m0, n0, r);
         tk::cp_async_arrive(pre_ready);
     }
@@ -2159,8 +1793,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int t = blockIdx.x + i * gridDim.x, next = t + gridDim.x;
         if (t >= tiles) break;
         int m0, n0, next_m0 = 0, next_n0 = 0;
-        tile_origin(t, MT, NT, BN, m0, n0);
-        if (next < tiles) tile_origin(next, MT, NT, BN, next_m0, next_n0);
+        tile_origin(t, MT, NT, m0, n0);
+        if (next < tiles) tile_origin(next, MT, NT, next_m0, next_n0);
         const int col = n0 + 8 * lane;
         mbar_wait(staged, i & 1);
 #pragma unroll 1
@@ -2168,7 +1802,6 @@ __global__ void __launch_bounds__(THREADS, 1)
             uint4 v[GROUP];
 #pragma unroll
             for (int u = 0; u < GROUP; ++u) v[u] = tk::lds128(staging + min(r0 + EPI_WARPS * u, BM - 1) * STAGE_ROW + 16 * lane);
-            float sums[GROUP];
 #pragma unroll
             for (int u = 0; u < GROUP; ++u) {
                 const int r = r0 + EPI_WARPS * u, row = m0 + r;
@@ -2180,12 +1813,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
                     for (int e = 0; e < 8; ++e) o[e] = fmaxf(f[e], 0.f) * fmaxf(f[e], 0.f);
                     if (ok) tk::stg128(out, v[u]), tk::store8(c1 + (int64_t)row * ldc + col, o);
-                } else if constexpr (EPI == 1) {  // dpre, as the consumers staged it
-                    if (ok) tk::stg128(out, v[u]);
-                } else {  // the logits, and the lane's part of its 128 columns' sum of exp(softcap())
-                    sums[u] = 0.f;
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) sums[u] += ea.exp_softcap(f[e]);
+                } else {  // dpre, as the consumers staged it
                     if (ok) tk::stg128(out, v[u]);
                 }
             }
@@ -2196,89 +1824,42 @@ __global__ void __launch_bounds__(THREADS, 1)
                 for (int u = 0; u < GROUP; ++u)
                     if (r0 + EPI_WARPS * u < BM) fetch_pre(next_m0, next_n0, r0 + EPI_WARPS * u);
             }
-            if constexpr (EPI == 2) {  // each half warp's sums, the 8 rows side by side
-#pragma unroll
-                for (int off = 8; off > 0; off >>= 1)
-#pragma unroll
-                    for (int u = 0; u < GROUP; ++u) sums[u] += __shfl_xor_sync(0xffffffffu, sums[u], off);
-#pragma unroll
-                for (int u = 0; u < GROUP; ++u) {
-                    const int r = r0 + EPI_WARPS * u, row = m0 + r;
-                    if (lane % 16 == 0 && r < BM && row < M && col < N) ea.partial[row * ea.ld_partial + col / lrs::BN] = sums[u];
-                }
-            }
         }
         if (EPI != 1) mbar_arrive(freed);  // this thread's reads of the staging are done
         else if (next < tiles) tk::cp_async_arrive(pre_ready);
     }
 }
 
-// k: the operands' width in bf16 (EPI 2: half their fp8 width)
+// k: the operands' width (a multiple of 64); n a multiple of 8 (16-byte rows)
 template <int EPI>
-inline cudaError_t launch_wide(const void* a, const void* w, int rows, int n, int k, __nv_bfloat16* c0,
-                               __nv_bfloat16* c1, const __nv_bfloat16* pre, cudaStream_t stream, const EpiArgs& ea = {}) {
-    if (n % BN || k % BK || rows <= 0) return rows == 0 ? cudaSuccess : cudaErrorInvalidValue;  // the sums' 128 columns
+inline cudaError_t launch(const __nv_bfloat16* a, const __nv_bfloat16* w, int rows, int n, int k, __nv_bfloat16* c0,
+                          __nv_bfloat16* c1, const __nv_bfloat16* pre, cudaStream_t stream) {
+    if (n <= 0 || n % 8 || k <= 0 || k % BK || rows < 0) return cudaErrorInvalidValue;
+    if (rows == 0) return cudaSuccess;
     CUtensorMap ta, tb;
     if (tk::make_matrix_map(&ta, a, rows, k, k, BM) != CUDA_SUCCESS ||
-        tk::make_matrix_map(&tb, w, n, k, k, wide::BN) != CUDA_SUCCESS)
+        tk::make_matrix_map(&tb, w, n, k, k, BN) != CUDA_SUCCESS)
         return cudaErrorInvalidValue;
     static bool smem_set = false;
-    cudaError_t e = tk::allow_smem(wide_gemm_kernel<EPI>, wide::SMEM, smem_set);
+    cudaError_t e = tk::allow_smem(gemm_kernel<EPI>, SMEM, smem_set);
     if (e != cudaSuccess) return e;
-    const int tiles = (rows + BM - 1) / BM * ((n + wide::BN - 1) / wide::BN);
-    wide_gemm_kernel<EPI><<<std::min(tiles, tk::num_sms()), THREADS, wide::SMEM, stream>>>(ta, tb, rows, n, k, c0, c1,
-                                                                                                pre, n, ea);
+    const int tiles = (rows + BM - 1) / BM * ((n + BN - 1) / BN);
+    gemm_kernel<EPI><<<std::min(tiles, tk::num_sms()), THREADS, SMEM, stream>>>(ta, tb, rows, n, k, c0, c1, pre, n);
     return cudaGetLastError();
 }
 }  // namespace lrs
 
-// pre = x w^T and post = relu(pre)^2 (x: rows x k, w: n x k, pre and post: rows x n; all contiguous,
-// n a multiple of 128, k of 64). tma: the epilogue's stores by TMA (the same values).
+// pre = x w^T and post = relu(pre)^2 (x: rows x k, w: n x k, pre and post: rows x n; all contiguous and
+// 16-byte aligned, n a multiple of 8, k of 64; rows any)
 inline cudaError_t linear_relu_square_forward(const __nv_bfloat16* x, const __nv_bfloat16* w, int rows, int n, int k,
-                                              __nv_bfloat16* pre, __nv_bfloat16* post, cudaStream_t stream,
-                                              bool tma = false, bool wide = false) {
-    if (wide) return lrs::launch_wide<0>(x, w, rows, n, k, pre, post, nullptr, stream);
-    return tma ? lrs::launch<0, true>(x, w, rows, n, k, pre, post, nullptr, stream)
-               : lrs::launch<0, false>(x, w, rows, n, k, pre, post, nullptr, stream);
+                                              __nv_bfloat16* pre, __nv_bfloat16* post, cudaStream_t stream) {
+    return lrs::launch<0>(x, w, rows, n, k, pre, post, nullptr, stream);
 }
 // dpre = 2 relu(pre) (dout w^T) with dout w^T rounded to bf16 first (as a stored dpost would be):
 // dout rows x k, w n x k (the c_proj weight, whose rows are the MLP's hidden units), pre and dpre rows x n
 inline cudaError_t linear_relu_square_backward(const __nv_bfloat16* dout, const __nv_bfloat16* w, int rows, int n, int k,
-                                               const __nv_bfloat16* pre, __nv_bfloat16* dpre, cudaStream_t stream,
-                                               bool tma = false, bool wide = false) {
-    if (wide) return lrs::launch_wide<1>(dout, w, rows, n, k, dpre, nullptr, pre, stream);
-    return tma ? lrs::launch<1, true>(dout, w, rows, n, k, dpre, nullptr, pre, stream)
-               : lrs::launch<1, false>(dout, w, rows, n, k, dpre, nullptr, pre, stream);
-}
-
-// the partial sums a row of n logits gets from lm_head_logits_fp8 (one a 128-column tile)
-inline int lm_head_loss_parts(int n) { return n / lrs::BN; }
-
-// Training's lm_head forward with the loss's first pass in its epilogue: logits = bf16(scale x w^T)
-// for x (rows x k) and w (n x k) in e4m3, both contiguous (the GEMM as cuBLASLt's with fast_accum),
-// and each row's sum of exp(softcap(logit)) over each 128 columns into partial (rows x n / 128, row
-// stride ld_partial), the soft-cap of p (its tanh form, as the training loss). The logits go to
-// DRAM once, for the gradient; the loss (softcapped_ce_from_partials) no longer reads them.
-// n a multiple of 128, k of 128.
-inline cudaError_t lm_head_logits_fp8(const uint8_t* x, const uint8_t* w, int rows, int n, int k, float scale,
-                                      const ce::Params& p, __nv_bfloat16* logits, float* partial, int64_t ld_partial,
-                                      cudaStream_t stream, bool wide = false) {
-    if (n % lrs::BN || k % 128 || ld_partial < lm_head_loss_parts(n)) return cudaErrorInvalidValue;
-    lrs::EpiArgs ea;
-    ea.scale = scale, ea.partial = partial, ea.ld_partial = ld_partial;
-    ea.cap = ce::TanhCap(p), ea.hL = ea.cap.h * 1.4426950408889634f;
-    return wide ? lrs::launch_wide<2>(x, w, rows, n, k / 2, logits, nullptr, nullptr, stream, ea)
-                : lrs::launch<2, false>(x, w, rows, n, k / 2, logits, nullptr, nullptr, stream, ea);
-}
-
-// The rows' losses and lse from lm_head_logits_fp8's partial sums (p.logits: its logits, p.lse set)
-inline cudaError_t softcapped_ce_from_partials(const ce::Params& p, const float* partial, int64_t ld_partial,
-                                               cudaStream_t stream) {
-    if (p.vocab % lrs::BN || !p.lse || p.n_predict < 1 || p.n_predict > ce::MAX_PREDICT) return cudaErrorInvalidValue;
-    if (p.rows <= 0) return cudaSuccess;
-    ce::loss_from_partials_kernel<<<(p.rows + 7) / 8, 256, 0, stream>>>(p, partial, ld_partial,
-                                                                         lm_head_loss_parts(p.vocab));
-    return cudaGetLastError();
+                                               const __nv_bfloat16* pre, __nv_bfloat16* dpre, cudaStream_t stream) {
+    return lrs::launch<1>(dout, w, rows, n, k, dpre, nullptr, pre, stream);
 }
 
 // -----------------------------------------------------------------------------

@@ -74,10 +74,9 @@ static ForwardArgs bench_forward_args(const Hyperparameters& args) {
     return fa;
 }
 
-// The fused GEMMs alone, at a 393k micro-batch's shapes, random operands (the clocks run as under real
-// data only roughly; the loop's own timing is make bench-loop): the MLP's forward and backward on the
-// ping-pong's 128 x 128 tiles and on the wide 128 x 256 ones, and the lm_head's fp8 forward with the
-// loss's sums in its epilogue (--fused_lm_head_loss) against cuBLASLt's plain GEMM
+// The MLP's fused GEMMs alone (linear_relu_square_forward / _backward), at a 393k micro-batch's shapes,
+// random operands (the clocks run as under real data only roughly; the loop's own timing is make
+// bench-loop), against cuBLASLt's plain GEMM of the same product (no epilogue: one output, not two)
 static void bench_fused_gemms(Gemms& gemms) {
     printf("\nFused GEMMs alone (random operands), us and TFLOP/s\n");
     std::mt19937_64 rng(3);
@@ -90,60 +89,19 @@ static void bench_fused_gemms(Gemms& gemms) {
         CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
         return d;
     };
-    {
-        const int T = 49152, H = 3072, D = 768;
-        std::vector<uint16_t> hx((size_t)T * D), hw((size_t)H * D);
-        for (auto& v : hx) v = bf16_bits(nd(rng));
-        for (auto& v : hw) v = bf16_bits(0.03f * nd(rng));
-        uint16_t *x = upload(hx), *w = upload(hw), *pre, *post, *dpre;
-        for (uint16_t** q : {&pre, &post, &dpre}) CUDA_CHECK(cudaMalloc(q, (size_t)T * H * 2));
-        const double flop = 2.0 * T * H * D;
-        for (int wide = 0; wide < 2; ++wide) {
-            const float f = time_ms([&] {
-                CUDA_CHECK(linear_relu_square_forward(bf(x), bf(w), T, H, D, bf(pre), bf(post), 0, false, wide));
-            });
-            const float b = time_ms([&] {
-                CUDA_CHECK(linear_relu_square_backward(bf(x), bf(w), T, H, D, bf(pre), bf(dpre), 0, false, wide));
-            });
-            printf("  MLP %d x %d x %d, %-22s forward %6.1f us (%4.0f), backward %6.1f us (%4.0f)\n", T, H, D,
-                   wide ? "128 x 256 tiles:" : "128 x 128 ping-pong:", f * 1e3, flop / f / 1e9, b * 1e3, flop / b / 1e9);
-        }
-        for (uint16_t* q : {x, w, pre, post, dpre}) CUDA_CHECK(cudaFree(q));
-    }
-    {
-        const int rows = 8192, n = 50304, k = 768;
-        const float xs = 100.f / 448, ws = 1.6f / 448;
-        std::vector<uint8_t> hx((size_t)rows * k), hw((size_t)n * k);
-        for (auto& v : hx) v = (uint8_t)__nv_cvt_float_to_fp8(nd(rng) / xs, __NV_SATFINITE, __NV_E4M3);
-        for (auto& v : hw) v = (uint8_t)__nv_cvt_float_to_fp8(0.02f * nd(rng) / ws, __NV_SATFINITE, __NV_E4M3);
-        std::vector<int> ht(rows + 2);
-        for (auto& t : ht) t = (int)(rng() % n);
-        uint8_t *x = upload(hx), *w = upload(hw);
-        int* targets = upload(ht);
-        float *x_scale = upload(std::vector<float>{xs}), *w_scale = upload(std::vector<float>{ws});  // (each its own allocation, as the trainer's)
-        const int parts = lm_head_loss_parts(n);
-        uint16_t* logits;
-        float* partial;
-        CUDA_CHECK(cudaMalloc(&logits, (size_t)rows * n * 2));
-        CUDA_CHECK(cudaMalloc(&partial, (size_t)rows * parts * 4));
-        ce::Params p{};
-        p.ld = n, p.targets = targets, p.rows = rows, p.target_rows = rows + 2, p.vocab = n, p.n_predict = 3;
-        p.a = 23.f, p.b = 5.f, p.c = 7.5f, p.grad_scale = 1.f, p.fast_softcap = true;
-        const double flop = 2.0 * rows * n * k;
-        for (int wide = 0; wide < 2; ++wide) {
-            const float t = time_ms([&] {
-                CUDA_CHECK(lm_head_logits_fp8(x, w, rows, n, k, xs * ws, p, bf(logits), partial, parts, 0, wide));
-            });
-            printf("  lm_head %d x %d x %d e4m3 with the loss's sums, %-22s %6.1f us (%4.0f)\n", rows, n, k,
-                   wide ? "128 x 256 tiles:" : "128 x 128 ping-pong:", t * 1e3, flop / t / 1e9);
-        }
-        const float t = time_ms([&] {
-            gemms.fp8(0, rows, n, k, x, CUDA_R_8F_E4M3, k, w, CUDA_R_8F_E4M3, k, logits, n, false, x_scale, w_scale, true);
-        });
-        printf("  lm_head %d x %d x %d e4m3, cuBLASLt (no sums):                   %6.1f us (%4.0f)\n", rows, n, k,
-               t * 1e3, flop / t / 1e9);
-        for (void* q : {(void*)x, (void*)w, (void*)targets, (void*)x_scale, (void*)w_scale, (void*)logits, (void*)partial}) CUDA_CHECK(cudaFree(q));
-    }
+    const int T = 49152, H = 3072, D = 768;
+    std::vector<uint16_t> hx((size_t)T * D), hw((size_t)H * D);
+    for (auto& v : hx) v = bf16_bits(nd(rng));
+    for (auto& v : hw) v = bf16_bits(0.03f * nd(rng));
+    uint16_t *x = upload(hx), *w = upload(hw), *pre, *post, *dpre;
+    for (uint16_t** q : {&pre, &post, &dpre}) CUDA_CHECK(cudaMalloc(q, (size_t)T * H * 2));
+    const double flop = 2.0 * T * H * D;
+    const float f = time_ms([&] { CUDA_CHECK(linear_relu_square_forward(bf(x), bf(w), T, H, D, bf(pre), bf(post), 0)); });
+    const float b = time_ms([&] { CUDA_CHECK(linear_relu_square_backward(bf(x), bf(w), T, H, D, bf(pre), bf(dpre), 0)); });
+    const float c = time_ms([&] { gemms.bf16(0, Op::N, Op::T, T, H, D, bf(x), D, bf(w), D, pre, H, false); });
+    printf("  MLP %d x %d x %d: forward %6.1f us (%4.0f), backward %6.1f us (%4.0f); cuBLASLt's GEMM alone %6.1f us (%4.0f)\n",
+           T, H, D, f * 1e3, flop / f / 1e9, b * 1e3, flop / b / 1e9, c * 1e3, flop / c / 1e9);
+    for (uint16_t* q : {x, w, pre, post, dpre}) CUDA_CHECK(cudaFree(q));
 }
 
 // the model: forward + backward of one micro-batch at the record's sizes
