@@ -33,9 +33,12 @@ EOF
 }
 
 # make decides whether a source is newer; its output goes to stderr so --print-source stays clean
+# (a make that runs run.sh, as make test does, hands down no jobserver: MAKEFLAGS is its own)
 build() {
-    if ! make -q --no-print-directory train_gpt 2>/dev/null; then echo "run.sh: building ./train_gpt (make -s train_gpt)" >&2; fi
-    make -s --no-print-directory train_gpt >&2 || exit $?
+    if ! env -u MAKEFLAGS -u MFLAGS make -q --no-print-directory train_gpt 2>/dev/null; then
+        echo "run.sh: building ./train_gpt (make -s train_gpt)" >&2
+    fi
+    env -u MAKEFLAGS -u MFLAGS make -s --no-print-directory train_gpt >&2 || exit $?
 }
 
 # the trainer's own modes need no GPU, no data and no mpirun

@@ -231,7 +231,7 @@ int main(int argc, char** argv) {
     printf("%-6s %-10s %-16s | %9s %9s %9s %9s | %9s\n", "bank", "world", "shard", "momentum", "polar", "variance", "apply",
            "total ms");
     struct Bank { const char* name; int matrices, rows, cols; };
-    for (Bank bank : {Bank{"attn", 40, 768, 768}, Bank{"mlp", 24, 3072, 768}})
+    for (Bank bank : {Bank{"attn", ATTN_BANK_SLOTS * 4, MODEL_DIM, MODEL_DIM}, Bank{"mlp", MLP_BANK_SLOTS * 2, 4 * MODEL_DIM, MODEL_DIM}})
         for (int world : {1, 8}) {
             const int count = bank.matrices / world;
             const int64_t per = (int64_t)bank.rows * bank.cols, n = per * count;

@@ -14,6 +14,11 @@ parameter and for each slice of the banks (a wrong block shows as O(1) error in 
 Also "train_loss_ref", "eval_loss_ref" and "hidden_vs_embedding" (how far the blocks move the
 hidden state: the scale a wrong block would show at).
 
+The layer layout comes from args.txt, as the trainer's layer table states it: "layers L",
+"attn" (per layer 0: none, 1: attention, 2: paired-head attention), "long" (per layer 1: the long
+window with its key offset), "ve" (per layer the value embedding's index, -1: none), "skip IN OUT"
+(layer IN's output joins layer OUT's input) and "backout B" (layer B's output is backed out).
+
     python3 tests/model_oracle.py DIR
 """
 import os
@@ -130,48 +135,79 @@ def dense_attn(q, k, v, cu, scale, window):
     return torch.einsum("hij,jhd->ihd", p, v).contiguous()
 
 
+class Layout:
+    """The layer table of args.txt: per layer whether it has attention, paired heads, the long
+    window, its value embedding (or None); the skip's and the backout's layers."""
+
+    def __init__(self, A):
+        self.n = int(A["layers"][0])
+        kinds = [int(v) for v in A["attn"]]
+        self.long = [bool(v) for v in A["long"]]
+        self.ve = [int(v) if v >= 0 else None for v in A["ve"]]
+        assert len(kinds) == len(self.long) == len(self.ve) == self.n, "args.txt: a layer table row per layer"
+        assert all(k in (0, 1, 2) for k in kinds), "args.txt: attn is 0, 1 or 2"
+        self.attn = [k != 0 for k in kinds]
+        self.paired = [k == 2 for k in kinds]
+        self.skip_in, self.skip_out = (int(v) for v in A["skip"])
+        self.backout = int(A["backout"][0])
+        # the attention bank, its gate bank and the ve-gate bank: one slot per layer that uses them, in layer order
+        self.n_attn = sum(self.attn)
+        self.n_ve = sum(v is not None for v in self.ve)
+
+    def check(self, P):
+        """The parameters' shapes as the layout makes them (the attention bank may hold padding slots)."""
+        L = self.n
+        assert P["attn"].size(0) >= self.n_attn and P["mlp"].size(0) >= L, "banks smaller than the layout"
+        assert P["attn_gate_bank"].size(0) == self.n_attn and P["ve_gate_bank"].size(0) == self.n_ve, "gate banks"
+        assert P["x0_lambdas"].numel() == L and P["scalars"].numel() >= 3 * L + 3, "lambdas"
+
+
 def forward(P, A, tokens, cu, training, fp32=False):
     """The loss (a 0-d tensor) and the final hidden state. fp32=False: the record's bf16 arithmetic
     on bf16 P; fp32=True: the reference, P in fp32, fp32 rotary tables and attention."""
     T = int(A["T"][0])
     inp, tgt = tokens[:T], tokens[1:T + 1].long()
     H, Dh, D = 6, 128, 768
+    lay = Layout(A)
+    L = lay.n
     dt = torch.float32 if fp32 else torch.bfloat16
     freq = torch.tensor(A["freq"], dtype=torch.float32, device=dev)
     attn_scale = A["attn_scale"][0]
     ws_short, ws_long, block = int(A["ws_short"][0]), int(A["ws_long"][0]), int(A["block_size"][0])
     sc = P["scalars"]
-    resid, sa, smear_l, backout_l, skip_l = sc[:11], sc[11:33].view(-1, 2), sc[33], sc[34], sc[35]
+    resid, sa = sc[:L], sc[L:3 * L].view(-1, 2)
+    smear_l, backout_l, skip_l = sc[3 * L], sc[3 * L + 1], sc[3 * L + 2]
     x0l = P["x0_lambdas"]
     x = P["embed"][inp]
-    ve = [P[f"ve{k}"][inp] for k in range(3)]
-    ve = [ve[1], ve[2]] + [None] * 6 + [ve[0], ve[1], ve[2]]
+    ve_tables = [P[f"ve{k}"][inp] for k in range(3)]
+    ve = [None if k is None else ve_tables[k] for k in lay.ve]
     smear_out = smear_l * torch.sigmoid(x[1:, :12] @ P["smear_gate"].T)
     x = torch.cat([x[:1], x[1:] + smear_out * x[:-1]])
     x = x0 = norm(x[None])
-    ag = list(P["attn_gate_bank"].unbind(0))
-    vg = list(P["ve_gate_bank"].unbind(0))
-    attn_gates = ag[:6] + [None] + ag[6:]
-    ve_gates = [vg[0], vg[1]] + [None] * 6 + [vg[2], vg[3], vg[4]]
-    attn_w = P["attn"].unbind(0)
+    # the banks' slots in layer order: layer i's is the next slot if it uses that bank, else None
+    ag = iter(P["attn_gate_bank"].unbind(0))
+    vg = iter(P["ve_gate_bank"].unbind(0))
+    aw = iter(P["attn"].unbind(0))
+    attn_gates = [next(ag) if lay.attn[i] else None for i in range(L)]
+    ve_gates = [next(vg) if ve[i] is not None else None for i in range(L)]
+    attn_w = [next(aw) if lay.attn[i] else None for i in range(L)]
     mlp = P["mlp"]
     short_bm, long_bm = ws_short * block, ws_long * block
-    bm = [short_bm, short_bm, short_bm, long_bm, short_bm, short_bm, None, short_bm, short_bm, short_bm, long_bm]
-    paired_layers = [0, 2, 5, 9]
+    bm = [(long_bm if lay.long[i] else short_bm) if lay.attn[i] else None for i in range(L)]
     skip, x_backout = None, None
     lens = (cu[1:] - cu[:-1])
     max_len = int(lens.max())
-    for i in range(11):
-        if i == 6:
+    for i in range(L):
+        if i == lay.skip_out:
             x = x + torch.sigmoid(skip_l) * 2 * torch.sigmoid(x0[..., :12] @ P["skip_gate"].T) * skip
         x = (resid[0] + x0l[0]) * x if i == 0 else resid[i] * x + x0l[i] * x0
-        if i != 6:
-            w = attn_w[i if i < 6 else i - 1]
+        if lay.attn[i]:
+            w = attn_w[i]
             xn = norm(x)
             qkv = F.linear(xn, sa[i][0] * w[:3 * D].type_as(xn))
             q, k, v = qkv.view(1, T, 3 * H, Dh).chunk(3, dim=-2)
             q, k = norm(q), norm(k)
-            paired = i in paired_layers
+            paired = lay.paired[i]
             if paired:
                 q, k = q.reshape(1, T, H // 2, 2 * Dh), k.reshape(1, T, H // 2, 2 * Dh)
                 v = v.reshape(1, 2 * T, H // 2, Dh)
@@ -181,10 +217,13 @@ def forward(P, A, tokens, cu, training, fp32=False):
             else:
                 f1, f2 = tables(freq, T, False, dt)
                 q, k = rotary(q, f1, f2), rotary(k, f1, f2)
-                if bm[i] == long_bm:
-                    k = k.clone()
-                    k[:, 1:, :, Dh // 4:Dh // 2] = k[:, :-1, :, Dh // 4:Dh // 2].clone()
-                    k[:, 1:, :, 3 * Dh // 4:] = k[:, :-1, :, 3 * Dh // 4:].clone()
+            if lay.long[i]:  # the long window's partial key offset: key dims 32-63 and 96-127 move one token
+                # forward (the record has no long paired layer; its keys, in the same token-major
+                # memory, move the same way)
+                k = k.reshape(1, T, H, Dh).clone()
+                k[:, 1:, :, Dh // 4:Dh // 2] = k[:, :-1, :, Dh // 4:Dh // 2].clone()
+                k[:, 1:, :, 3 * Dh // 4:] = k[:, :-1, :, 3 * Dh // 4:].clone()
+                k = k.view(1, 2 * T, H // 2, Dh) if paired else k
             if ve[i] is not None:
                 g = 2 * torch.sigmoid(F.linear(xn[..., :12], ve_gates[i]))
                 if paired:
@@ -205,9 +244,9 @@ def forward(P, A, tokens, cu, training, fp32=False):
         pre = xn.view(T, D) @ mlp[i, 0].T
         post = torch.relu(pre) ** 2
         x = x + (post @ mlp[i, 1]).view(1, T, D)
-        if i == 3:
+        if i == lay.skip_in:
             skip = x
-        if i == 7:
+        if i == lay.backout:
             x_backout = x
     x = x - backout_l * x_backout
     x = norm(x).view(T, D)
@@ -230,16 +269,17 @@ def rel(x, ref):
     return ((x.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def pieces(label, t):
+def pieces(label, t, lay):
     """The parameter and, for the banks, its slices: a bug in one block shows as O(1) error in its
-    slice but may hide in the whole. attn[i] and attn_gate_bank[i] are bank rows (layer i, or i + 1
-    from i = 6 on: layer 6 has no attention), ve_gate_bank[i] that of layer 0, 1, 8, 9, 10; mlp[i]
-    is layer i (slot 11 is padding, its gradient zero: left out)."""
+    slice but may hide in the whole. attn[a] and attn_gate_bank[a] are the slots of the attention
+    layers in layer order, ve_gate_bank[g] those of the value-embedding layers; mlp[i] is layer i.
+    The banks' padding slots (gradient zero) are left out."""
     out = [(label, t)]
-    if label == "attn" or label.endswith("gate_bank"):
-        out += [(f"{label}[{i}]", t[i]) for i in range(t.size(0))]
+    n = {"attn": lay.n_attn, "attn_gate_bank": lay.n_attn, "ve_gate_bank": lay.n_ve}.get(label)
+    if n is not None:
+        out += [(f"{label}[{i}]", t[i]) for i in range(n)]
     if label == "mlp":
-        out += [(f"mlp[{i}].{name}", t[i, j]) for i in range(11) for j, name in enumerate(("fc", "proj"))]
+        out += [(f"mlp[{i}].{name}", t[i, j]) for i in range(lay.n) for j, name in enumerate(("fc", "proj"))]
     return out
 
 
@@ -248,6 +288,8 @@ def main():
     d = sys.argv[1]
     P, A, tokens, cu = load(d)
     T, D = int(A["T"][0]), 768
+    lay = Layout(A)
+    lay.check(P)
     with torch.no_grad():
         print(f"train_loss {forward(P, A, tokens, cu, True)[0].item()!r}")
         eval_loss, hidden_rec = forward(P, A, tokens, cu, False)
@@ -276,7 +318,7 @@ def main():
         raw = np.fromfile(f"{d}/grad_{label}.bin", dtype=np.int16 if t.dtype == torch.bfloat16 else np.float32)
         theirs = torch.from_numpy(raw)
         theirs = (theirs.view(torch.bfloat16) if t.dtype == torch.bfloat16 else theirs).to(dev).view(t.shape)
-        sliced = zip(pieces(label, theirs), pieces(label, t.grad), pieces(label, ref_grads[label]))
+        sliced = zip(pieces(label, theirs, lay), pieces(label, t.grad, lay), pieces(label, ref_grads[label], lay))
         for (name, ours), (_, rec), (_, ref) in sliced:
             print(f"grad {name} {rel(ours, ref)!r} {rel(rec, ref)!r}")
 

@@ -38,7 +38,15 @@ TABLE = {  # label: optim, betas, lr_mul, wd_mul
 }
 WORK_ORDER = ["scalars", "smear_gate", "skip_gate", "attn_gate_bank", "ve_gate_bank", "x0_lambdas",
               "ve0", "ve1", "ve2", "lm_head", "embed", "attn", "mlp"]
-RESHAPE = {"attn": (40, 768, 768), "mlp": (24, 3072, 768)}
+RESHAPE = {}  # NorMuon's view of each bank as (matrices, rows, cols): set from params.txt in main()
+
+
+def bank_reshape(label, dims):
+    """attn (slots, 4 x 768, 768): its q, k, v, o matrices of 768 x 768; mlp (slots, 2, 3072, 768):
+    its c_fc and c_proj of 3072 x 768. The slot counts follow the layer table."""
+    if label == "attn":
+        return (dims[0] * dims[1] // dims[2], dims[2], dims[2])
+    return (dims[0] * dims[1], dims[2], dims[3])
 
 
 def load_tensor(path, dtype, shape):
@@ -167,6 +175,9 @@ def main():
     torch.set_float32_matmul_precision("highest")  # no TF32 in the fp32 reference
     d = sys.argv[1]
     meta = [line.split() for line in open(f"{d}/params.txt")]
+    for l, t, *dims in meta:
+        if TABLE[l][0] == "normuon":
+            RESHAPE[l] = bank_reshape(l, [int(x) for x in dims])
     start = {l: load_tensor(f"{d}/init_{l}.bin", t, tuple(int(x) for x in dims)) for l, t, *dims in meta}
     record, record_state = run(d, meta, start, torch.bfloat16)
     ref, ref_state = run(d, meta, start, torch.float32)

@@ -540,6 +540,27 @@ static void test_schedules() {
 // ---------------------------------------------------------------------------------------------
 // the optimizer's parameter table and sharding
 
+// What the layer table implies, counted here from LAYERS' rows (not from the trainer's derived
+// constants, which the tests check against it): the layers with attention and with a value
+// embedding, and the bank slots, each padded only as far as sharding its matrices (4 a slot in the
+// attention bank, 2 in the MLP bank) evenly over 8 ranks needs
+struct TableCounts {
+    int attn = 0, ve = 0;
+    int64_t attn_slots = 0, mlp_slots = 0;
+};
+static TableCounts table_counts() {
+    TableCounts c;
+    for (const LayerSpec& l : LAYERS) c.attn += l.attn != AttnKind::None, c.ve += l.ve >= 0;
+    auto padded = [](int64_t n, int64_t per_slot) {
+        while (n * per_slot % 8) ++n;
+        return n;
+    };
+    c.attn_slots = padded(c.attn, 4), c.mlp_slots = padded(NUM_LAYERS, 2);
+    return c;
+}
+// the scalars: 3 per layer (resid, sa x 2), smear, backout, skip, padded with ones to a multiple of the world size
+static int64_t scalar_count(int world) { return (3 * NUM_LAYERS + 3 + world - 1) / world * world; }
+
 static const ParamConfig& cfg_of(const std::vector<ParamConfig>& cfgs, const std::string& label) {
     for (const ParamConfig& c : cfgs)
         if (c.label == label) return c;
@@ -548,18 +569,19 @@ static const ParamConfig& cfg_of(const std::vector<ParamConfig>& cfgs, const std
 
 static void test_sharding() {
     Hyperparameters a;
+    const TableCounts tc = table_counts();
+    const int64_t attn_mats = 4 * tc.attn_slots, mlp_mats = 2 * tc.mlp_slots;
     for (int world : {1, 2, 4, 8}) {
         std::vector<ParamShape> params = model_params(world);
-        // scalars: 3 x 11 + 3 = 36 values, padded with ones to a multiple of the world size
         const ParamShape& sc = params[2];
-        const int64_t want_scalars = world == 8 ? 40 : 36;
+        const int64_t want_scalars = scalar_count(world);
         CHECK(sc.label == "scalars" && sc.fp32 && sc.shape == std::vector<int64_t>{want_scalars},
               "scalars at world %d: %lld", world, (long long)sc.shape[0]);
         int64_t total = 0;
         for (const ParamShape& p : params) total += p.numel();
-        // 10x3072x768 + 12x2x3072x768 + 4 x 50304x768 + 768x50304 ... (exact count)
-        const int64_t expect = 10LL * 3072 * 768 + 12LL * 2 * 3072 * 768 + 5LL * 50304 * 768 + want_scalars + 12 + 12 +
-                               10 * 6 * 12 + 5 * 6 * 12 + 11;
+        // the banks, ve0-ve2 + lm_head + embed, scalars, smear and skip gates, the gate banks, x0 lambdas (exact count)
+        const int64_t expect = attn_mats * 768 * 768 + mlp_mats * 3072 * 768 + 5LL * 50304 * 768 + want_scalars + 12 + 12 +
+                               tc.attn * 6 * 12 + tc.ve * 6 * 12 + NUM_LAYERS;
         CHECK(total == expect, "parameter count at world %d: %lld, want %lld", world, (long long)total, (long long)expect);
         for (int rank = 0; rank < world; ++rank) {
             std::vector<ParamConfig> cfgs = build_param_configs(a, params, world, rank);
@@ -574,15 +596,16 @@ static void test_sharding() {
             }
             const ParamConfig& attn = cfg_of(cfgs, "attn");
             const ParamConfig& mlp = cfg_of(cfgs, "mlp");
-            CHECK(attn.chunk_shape == (std::vector<int64_t>{40 / world, 768, 768}) && attn.lr_mul == 1.0 &&
-                      attn.second_moment_shape == (std::vector<int64_t>{40 / world, 768, 1}) && attn.per_matrix_lr_mul.empty(),
+            CHECK(attn.chunk_shape == (std::vector<int64_t>{attn_mats / world, 768, 768}) && attn.lr_mul == 1.0 &&
+                      attn.second_moment_shape == (std::vector<int64_t>{attn_mats / world, 768, 1}) &&
+                      attn.per_matrix_lr_mul.empty(),
                   "attn shard at world %d", world);
-            CHECK(mlp.chunk_shape == (std::vector<int64_t>{24 / world, 3072, 768}) && mlp.lr_mul == 2.0 &&
-                      mlp.second_moment_shape == (std::vector<int64_t>{24 / world, 3072, 1}),
+            CHECK(mlp.chunk_shape == (std::vector<int64_t>{mlp_mats / world, 3072, 768}) && mlp.lr_mul == 2.0 &&
+                      mlp.second_moment_shape == (std::vector<int64_t>{mlp_mats / world, 3072, 1}),
                   "mlp shard at world %d: shape multiplier sqrt(3072/768) = 2", world);
-            bool cproj = (int64_t)mlp.per_matrix_lr_mul.size() == 24 / world;
+            bool cproj = (int64_t)mlp.per_matrix_lr_mul.size() == mlp_mats / world;
             for (int64_t i = 0; i < (int64_t)mlp.per_matrix_lr_mul.size(); ++i)
-                cproj &= mlp.per_matrix_lr_mul[i] == ((rank * (24 / world) + i) % 2 ? 2.0 : 1.0);
+                cproj &= mlp.per_matrix_lr_mul[i] == ((rank * (mlp_mats / world) + i) % 2 ? 2.0 : 1.0);
             CHECK(cproj, "mlp per-matrix lr (2x on c_proj = odd global index) at world %d rank %d", world, rank);
             CHECK(cfg_of(cfgs, "ve1").chunk_shape == (std::vector<int64_t>{50304 / world, 768}), "ve shard");
             CHECK(cfg_of(cfgs, "lm_head").chunk_shape == (std::vector<int64_t>{768 / world, 50304}), "lm_head shard");
@@ -596,8 +619,11 @@ static void test_sharding() {
                   "NorMuon settings");
         }
     }
-    // a world size the banks cannot be sharded over
-    expect_error("unshardable world size", [&] { build_param_configs(a, model_params(3), 3, 0); }, {"attn", "3 ranks"});
+    // a world size the attention bank (the first parameter) cannot be sharded over
+    int bad_world = 3;
+    while (attn_mats % bad_world == 0) ++bad_world;
+    expect_error("unshardable world size", [&] { build_param_configs(a, model_params(bad_world), bad_world, 0); },
+                 {"'attn'", strprintf("%d ranks", bad_world)});
     std::vector<ParamShape> extra = model_params(2);
     extra.push_back({"mystery", {4}, {}, true});
     expect_error("unknown parameter", [&] { build_param_configs(a, extra, 2, 0); }, {"'mystery' has no entry in param_table"});
@@ -728,52 +754,59 @@ static void test_attention_tiles() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// the layer table: record 61's layout, and the banks sized from it
+// the layer table: whatever layout LAYERS, SKIP_IN, SKIP_OUT and BACKOUT_LAYER hold, the bank
+// slots, the banks and the log's layer map follow from it
 
 static void test_layer_table() {
-    // the record's lists: attention everywhere but layer 6, paired heads on [0, 2, 5, 9], long
-    // windows (with the key offset) on 3 and 10, ve = [ve1, ve2, -, -, -, -, -, -, ve0, ve1, ve2],
-    // skip_in = [3], skip_out = [6], backout_layer = 7
-    std::string attn, paired, longw, ve;
-    for (int i = 0; i < NUM_LAYERS; ++i) {
-        attn += has_attention(i) ? "a" : "-";
-        paired += paired_head(i) ? "p" : "-";
-        longw += long_window(i) ? "l" : "-";
-        ve += has_value_embed(i) ? std::to_string(LAYERS[i].ve) : "-";
-    }
-    CHECK(attn == "aaaaaa-aaaa" && paired == "p-p--p---p-" && longw == "---l------l" && ve == "12------012",
-          "layer table: attention %s, paired %s, long %s, ve %s", attn.c_str(), paired.c_str(), longw.c_str(), ve.c_str());
-    CHECK(SKIP_IN == 3 && SKIP_OUT == 6 && BACKOUT_LAYER == 7, "skip %d -> %d, backout %d", SKIP_IN, SKIP_OUT, BACKOUT_LAYER);
-    // bank slots: the record's layer_to_attn_idx and the ve-gate list [veg0, veg1, -, ..., veg2, veg3, veg4]
+    const TableCounts tc = table_counts();
+    // bank slots count the layers before that use the bank (the record's layer_to_attn_idx and its
+    // ve-gate list), and the derived counts are the table's
     bool slots = true;
     for (int i = 0, a = 0, v = 0; i < NUM_LAYERS; ++i) {
-        if (has_attention(i)) slots &= attn_slot(i) == a++;
-        if (has_value_embed(i)) slots &= ve_gate_slot(i) == v++;
+        if (LAYERS[i].attn != AttnKind::None) slots &= has_attention(i) && attn_slot(i) == a++;
+        else slots &= !has_attention(i) && !paired_head(i);
+        if (LAYERS[i].ve >= 0) slots &= has_value_embed(i) && ve_gate_slot(i) == v++;
+        else slots &= !has_value_embed(i);
     }
-    CHECK(slots && attn_slot(7) == 6 && attn_slot(10) == 9 && ve_gate_slot(8) == 2 && ve_gate_slot(10) == 4,
-          "bank slots count the layers before");
-    // the banks hold a slot for each layer that uses them (attention 10 x QKVO, MLP 11 + 1 padding)
+    CHECK(slots, "bank slots count the layers before that use the bank");
+    CHECK(NUM_ATTN_LAYERS == tc.attn && NUM_VE_LAYERS == tc.ve, "%d attention layers (table: %d), %d ve layers (table: %d)",
+          NUM_ATTN_LAYERS, tc.attn, NUM_VE_LAYERS, tc.ve);
+    // the banks hold a slot for each layer that uses them, padded only as far as sharding needs
     for (int world : {1, 2, 4, 8}) {
         std::vector<ParamShape> params = model_params(world);
-        auto shape = [&](const char* l) {
-            return std::find_if(params.begin(), params.end(), [&](const ParamShape& p) { return p.label == l; })->shape;
+        auto param = [&](const char* l) {
+            return *std::find_if(params.begin(), params.end(), [&](const ParamShape& p) { return p.label == l; });
         };
-        int n_attn = 0, n_ve = 0;
-        for (int i = 0; i < NUM_LAYERS; ++i) n_attn += has_attention(i), n_ve += has_value_embed(i);
-        CHECK(shape("attn") == (std::vector<int64_t>{n_attn, 4 * 768, 768}) && n_attn == 10, "attention bank: %d layers", n_attn);
-        CHECK(shape("attn_gate_bank") == (std::vector<int64_t>{n_attn, 6, 12}), "attention-gate bank");
-        CHECK(shape("ve_gate_bank") == (std::vector<int64_t>{n_ve, 6, 12}) && n_ve == 5, "ve-gate bank: %d layers", n_ve);
-        CHECK(shape("mlp") == (std::vector<int64_t>{12, 2, 4 * 768, 768}), "MLP bank: 11 layers + 1 padding slot");
-        CHECK(shape("x0_lambdas") == (std::vector<int64_t>{NUM_LAYERS}), "x0 lambdas: one per layer");
+        CHECK(param("attn").shape == (std::vector<int64_t>{tc.attn_slots, 4 * 768, 768}) &&
+                  param("attn").reshape == (std::vector<int64_t>{4 * tc.attn_slots, 768, 768}),
+              "attention bank at world %d: %lld slots for %d layers", world, (long long)param("attn").shape[0], tc.attn);
+        CHECK(param("attn_gate_bank").shape == (std::vector<int64_t>{tc.attn, 6, 12}), "attention-gate bank at world %d",
+              world);
+        CHECK(param("ve_gate_bank").shape == (std::vector<int64_t>{tc.ve, 6, 12}),
+              "ve-gate bank at world %d: %lld slots for %d layers", world, (long long)param("ve_gate_bank").shape[0], tc.ve);
+        CHECK(param("mlp").shape == (std::vector<int64_t>{tc.mlp_slots, 2, 4 * 768, 768}) &&
+                  param("mlp").reshape == (std::vector<int64_t>{2 * tc.mlp_slots, 4 * 768, 768}),
+              "MLP bank at world %d: %lld slots for %d layers", world, (long long)param("mlp").shape[0], NUM_LAYERS);
+        CHECK(param("x0_lambdas").shape == (std::vector<int64_t>{NUM_LAYERS}), "x0 lambdas: one per layer");
+        CHECK(param("scalars").shape == (std::vector<int64_t>{scalar_count(world)}), "scalars at world %d", world);
     }
-    // the log's layer map, skip and backout
+    // the log's layer map, skip and backout, spelled out from the table's rows
+    std::string layers;
+    for (int i = 0, a = 0, v = 0; i < NUM_LAYERS; ++i) {
+        const LayerSpec& l = LAYERS[i];
+        layers += strprintf("%s%d:", i ? " " : "", i);
+        if (l.attn == AttnKind::None) layers += "no-attn";
+        else
+            layers += strprintf("%sattn[bank %d%s]", l.attn == AttnKind::Paired ? "paired-" : "", a++,
+                                l.long_window ? ",long,key-offset" : "");
+        if (l.ve >= 0) layers += strprintf("+ve%d[gate %d]", l.ve, v++);
+        layers += "+mlp";
+    }
+    const std::string map =
+        "layers = " + layers + strprintf("\nskip = %d->%d\nbackout_layer = %d\n", SKIP_IN, SKIP_OUT, BACKOUT_LAYER);
     Hyperparameters a;
     const std::string cfg = configuration_text(a, 1, ".", "");
-    CHECK(cfg.find("layers = 0:paired-attn[bank 0]+ve1[gate 0]+mlp 1:attn[bank 1]+ve2[gate 1]+mlp 2:paired-attn[bank 2]+mlp "
-                   "3:attn[bank 3,long,key-offset]+mlp 4:attn[bank 4]+mlp 5:paired-attn[bank 5]+mlp 6:no-attn+mlp "
-                   "7:attn[bank 6]+mlp 8:attn[bank 7]+ve0[gate 2]+mlp 9:paired-attn[bank 8]+ve1[gate 3]+mlp "
-                   "10:attn[bank 9,long,key-offset]+ve2[gate 4]+mlp\nskip = 3->6\nbackout_layer = 7\n") != std::string::npos,
-          "layer map in the configuration:\n%s", cfg.c_str());
+    CHECK(cfg.find(map) != std::string::npos, "layer map in the configuration:\n%s\nwant:\n%s", cfg.c_str(), map.c_str());
     // what the configuration block says of the schedule, the warmup and the step plan, for the
     // shortened textmix schedule (150 + 10 steps) at world size 2
     Hyperparameters s;
@@ -798,6 +831,8 @@ static void test_layer_table() {
 // layers from the last to the first, the untied lm_head after the head on Adam steps
 static void test_backward_reduce_plan() {
     Hyperparameters a;
+    const TableCounts tc = table_counts();
+    const int64_t attn_mats = 4 * tc.attn_slots, mlp_mats = 2 * tc.mlp_slots;
     CHECK(backward_reduce_plan(build_param_configs(a, model_params(1), 1, 0), 1, true, true).empty(),
           "world size 1: no reduces (no NCCL at all)");
     for (int world : {2, 4, 8})
@@ -805,7 +840,8 @@ static void test_backward_reduce_plan() {
             for (bool split : {false, true}) {
                 const std::vector<ParamConfig> cfgs = build_param_configs(a, model_params(world), world, 0);
                 const std::vector<BackwardReduce> plan = backward_reduce_plan(cfgs, world, adam, split);
-                std::map<std::string, std::vector<int>> seen = {{"attn", std::vector<int>(40, 0)}, {"mlp", std::vector<int>(24, 0)}};
+                std::map<std::string, std::vector<int>> seen = {{"attn", std::vector<int>(attn_mats, 0)},
+                                                                {"mlp", std::vector<int>(mlp_mats, 0)}};
                 bool owners = true, order = true, head = false;
                 int last_layer = NUM_LAYERS;
                 for (size_t i = 0; i < plan.size(); ++i) {
@@ -816,7 +852,7 @@ static void test_backward_reduce_plan() {
                     }
                     order &= r.layer <= last_layer;
                     last_layer = r.layer;
-                    const int64_t chunk = (r.label == "attn" ? 40 : 24) / world;
+                    const int64_t chunk = (r.label == "attn" ? attn_mats : mlp_mats) / world;
                     for (int64_t m = r.first; m < r.first + r.count; ++m) {
                         seen[r.label][m] += 1;
                         owners &= m / chunk == r.root;
@@ -826,22 +862,37 @@ static void test_backward_reduce_plan() {
                                                : r.first >= 4 * attn_slot(r.layer) && r.first + r.count <= 4 * attn_slot(r.layer) + 4;
                 }
                 bool once = true;
-                for (int m = 0; m < 40; ++m) once &= seen["attn"][m] == 1;
-                for (int m = 0; m < 24; ++m) once &= seen["mlp"][m] == (m < 2 * NUM_LAYERS ? 1 : 0);  // not the padding slot
+                // not the padding slots
+                for (int m = 0; m < attn_mats; ++m) once &= seen["attn"][m] == (m < 4 * tc.attn ? 1 : 0);
+                for (int m = 0; m < mlp_mats; ++m) once &= seen["mlp"][m] == (m < 2 * NUM_LAYERS ? 1 : 0);
                 CHECK(once && owners && order && head == (adam && split),
                       "world %d %s %s: once %d owners %d order %d head %d", world, adam ? "adam" : "no-adam",
                       split ? "untied" : "tied", (int)once, (int)owners, (int)order, (int)head);
             }
+    // the last layer's reduces as the log shows them (for the record at world size 8:
+    // "after_layer(10): reduce(mlp[20:21]->6) reduce(mlp[21:22]->7) reduce(attn[36:40]->7)"), one
+    // reduce per owner of the layer's matrices
+    auto last_layer = [&](int world) {
+        auto runs = [&](const char* label, int64_t first, int64_t n, int64_t chunk) {
+            std::string s;
+            for (int64_t m = first; m < first + n; m = (m / chunk + 1) * chunk)
+                s += strprintf(" reduce(%s[%lld:%lld]->%lld)", label, (long long)m,
+                               (long long)std::min(first + n, (m / chunk + 1) * chunk), (long long)(m / chunk));
+            return s;
+        };
+        const int L = NUM_LAYERS - 1;
+        return strprintf("after_layer(%d):", L) + runs("mlp", 2 * L, 2, mlp_mats / world) +
+               (LAYERS[L].attn != AttnKind::None ? runs("attn", 4 * (tc.attn - 1), 4, attn_mats / world) : "");
+    };
     const std::vector<ParamConfig> w8 = build_param_configs(a, model_params(8), 8, 0);
     const std::string text = backward_reduce_text(backward_reduce_plan(w8, 8, true, true));
-    CHECK(text.rfind("after_head: reduce_scatter(lm_head) after_layer(10): reduce(mlp[20:21]->6) reduce(mlp[21:22]->7) "
-                     "reduce(attn[36:40]->7) after_layer(9):", 0) == 0,
-          "the plan as the log shows it: %s", text.c_str());
+    const std::string want8 =
+        "after_head: reduce_scatter(lm_head) " + last_layer(8) + strprintf(" after_layer(%d):", NUM_LAYERS - 2);
+    CHECK(text.rfind(want8, 0) == 0, "the plan as the log shows it: %s\nwant it to start: %s", text.c_str(), want8.c_str());
     a.early_reduce = true;
     const std::string cfg = configuration_text(a, 2, ".", "");
-    CHECK(cfg.find("backward_reduce_plan[no-adam,tied] = after_layer(10): reduce(mlp[20:22]->1) reduce(attn[36:40]->1)") !=
-              std::string::npos,
-          "the plans in the configuration block");
+    CHECK(cfg.find("backward_reduce_plan[no-adam,tied] = " + last_layer(2)) != std::string::npos,
+          "the plans in the configuration block: %s", last_layer(2).c_str());
     a.early_reduce = false;
     CHECK(configuration_text(a, 2, ".", "").find("backward_reduce_plan[adam,untied] = off\n") != std::string::npos,
           "off unless --early_reduce");
@@ -857,11 +908,12 @@ static void test_init() {
     };
     HostParam sc = init_param(shape_of("scalars"), 1);
     std::vector<float> want;
-    for (int i = 0; i < 11; ++i) want.push_back(1.1f);
-    for (int i = 0; i < 11; ++i) want.push_back(0.5f), want.push_back(1.0f);
-    for (float v : {0.f, 0.5f, -1.5f, 1.f, 1.f, 1.f, 1.f}) want.push_back(v);
+    for (int i = 0; i < NUM_LAYERS; ++i) want.push_back(1.1f);
+    for (int i = 0; i < NUM_LAYERS; ++i) want.push_back(0.5f), want.push_back(1.0f);
+    for (float v : {0.f, 0.5f, -1.5f}) want.push_back(v);
+    want.resize(scalar_count(8), 1.f);
     CHECK(sc.fp32 == want, "scalars: resid 1.1, sa (0.5, 1), smear 0, backout 0.5, skip -1.5, padding ones");
-    CHECK(init_param(shape_of("x0_lambdas"), 1).fp32 == std::vector<float>(11, 0.f), "x0 lambdas zero");
+    CHECK(init_param(shape_of("x0_lambdas"), 1).fp32 == std::vector<float>(NUM_LAYERS, 0.f), "x0 lambdas zero");
     for (const char* zero : {"ve0", "ve1", "ve2", "smear_gate", "skip_gate", "attn_gate_bank", "ve_gate_bank"}) {
         HostParam z = init_param(shape_of(zero), 1);
         CHECK(std::all_of(z.bf16.begin(), z.bf16.end(), [](uint16_t b) { return b == 0; }), "%s starts at zero", zero);
@@ -881,11 +933,14 @@ static void test_init() {
     const double b = std::sqrt(3.0) / std::sqrt(768.0);
     HostParam attn = init_param(shape_of("attn"), 1);
     bool ok = true;
-    for (int l = 0; l < 10; ++l) ok &= region(attn, l * 4 * mat, 3 * mat, b) && region(attn, l * 4 * mat + 3 * mat, mat, 0);
+    const TableCounts tc = table_counts();
+    for (int l = 0; l < tc.attn_slots; ++l)
+        ok &= region(attn, l * 4 * mat, 3 * mat, b) && region(attn, l * 4 * mat + 3 * mat, mat, 0);
     CHECK(ok, "attn bank: QKV rows uniform +-sqrt(3/768), O rows zero");
     HostParam mlp = init_param(shape_of("mlp"), 1);
     ok = true;
-    for (int l = 0; l < 12; ++l) ok &= region(mlp, l * 8 * mat, 4 * mat, b / 2) && region(mlp, l * 8 * mat + 4 * mat, 4 * mat, 0);
+    for (int l = 0; l < tc.mlp_slots; ++l)
+        ok &= region(mlp, l * 8 * mat, 4 * mat, b / 2) && region(mlp, l * 8 * mat + 4 * mat, 4 * mat, 0);
     CHECK(ok, "mlp bank: c_fc uniform +-sqrt(3/768)/2, c_proj zero (the padding slot too)");
     HostParam lm = init_param(shape_of("lm_head"), 1);
     double ss = 0;
