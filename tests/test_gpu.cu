@@ -1846,7 +1846,7 @@ int main(int argc, char** argv) {
         ++g_failed;
         printf("FAIL: uncaught error: %s\n", ex.what());
     }
-    system((std::string("rm -rf '") + tmpl + "'").c_str());
+    if (system((std::string("rm -rf '") + tmpl + "'").c_str()) != 0) printf("note: could not remove %s\n", tmpl);
     printf("%d passed, %d failed\n", g_passed, g_failed);
     return g_failed == 0 ? 0 : 1;
 }
