@@ -52,12 +52,15 @@ test: train_gpt tests/test_host
 tests/test_distributed: tests/test_distributed.cu tests/testing.h $(SOURCES)
 	$(NVCC) $(NVCCFLAGS) -o $@ tests/test_distributed.cu $(LDLIBS) $(QUIET_C7519)
 
-# the distributed test runs on 2 GPUs where there are 2 (it skips with a message otherwise)
+# The multi-rank tests run their ranks on a GPU each where there are enough GPUs, else sharing the
+# GPUs (TRAIN_GPT_SHARE_GPUS=1, NCCL over sockets: slow, a correctness test; tests/ranks.sh).
 test-gpu: tests/test_gpu tests/test_distributed train_gpt
 	./tests/test_gpu
 	bash tests/test_resume.sh
-	if [ "$$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then mpirun -np 2 --bind-to none ./tests/test_distributed; \
-	else ./tests/test_distributed; fi
+	RANKS=2 bash tests/test_resume.sh
+	bash tests/test_ranks.sh
+	ranks=2 && source tests/ranks.sh && mpirun --quiet -np 2 --bind-to none \
+	    $${TRAIN_GPT_SHARE_GPUS:+-x TRAIN_GPT_SHARE_GPUS --oversubscribe} ./tests/test_distributed
 
 tests/bench_gpu: tests/bench_gpu.cu $(SOURCES)
 	$(NVCC) $(NVCCFLAGS) -o $@ tests/bench_gpu.cu $(LDLIBS) $(QUIET_C7519)

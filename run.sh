@@ -21,11 +21,16 @@ every argument passed on.
              batch at any count). Default: the most of 1, 2, 4, 8 that nvidia-smi -L lists.
   DATA_PATH  folder that relative --train_files/--val_files are joined to (default .).
   NCCL_*     settings of this shell (e.g. NCCL_DEBUG=INFO) reach every rank.
+  SHARE_GPUS=1  a test mode: NGPU ranks (2, 4 or 8, given) on however many GPUs there are, rank
+             r on GPU r % count, NCCL over sockets on loopback (TRAIN_GPT_SHARE_GPUS=1 for the
+             trainer and the tests). It checks every multi-rank path on one GPU; it is slow and
+             its times mean nothing.
 
 examples:
   python3 data/cached_fineweb10B.py 8     # FineWeb shards into data/fineweb10B
   ./run.sh                                # record 61 on all GPUs
   NGPU=1 ./run.sh --val_tokens 2097152
+  SHARE_GPUS=1 NGPU=8 ./run.sh --train_bs_schedule 16384,32768,49152 --val_batch_size 131072
   DATA_PATH=/mnt/data ./run.sh --train_files 'textmix/textmix_train_*.bin' --val_files 'textmix/textmix_val_*.bin'
 
 The trainer's flags (./train_gpt --help):
@@ -56,7 +61,28 @@ esac
 # A run: the GPUs, the data and the flags' names are checked before the build (a minute); the
 # trainer checks the values, a --rerun log and a --resume checkpoint before it touches a GPU.
 
-if [ -n "${NGPU:-}" ]; then
+share=${SHARE_GPUS:-0}
+case "$share" in
+    0 | 1) ;;
+    *)
+        echo "run.sh: SHARE_GPUS=$share: 1 (ranks share the GPUs, a test mode) or 0" >&2
+        exit 1
+        ;;
+esac
+if [ "$share" = 1 ]; then
+    case "${NGPU:-}" in
+        2 | 4 | 8) ;;
+        *)
+            echo "run.sh: SHARE_GPUS=1 needs NGPU=2, 4 or 8 (the ranks that share the GPUs)" >&2
+            exit 1
+            ;;
+    esac
+    if ! (nvidia-smi -L 2>/dev/null || true) | grep -q '^GPU '; then
+        echo "run.sh: no NVIDIA GPU or driver found (nvidia-smi -L lists none); the trainer needs a Hopper GPU" >&2
+        exit 1
+    fi
+    echo "run.sh: SHARE_GPUS=1: $NGPU ranks share the GPUs over NCCL's sockets (a test of the multi-rank paths, slow)" >&2
+elif [ -n "${NGPU:-}" ]; then
     case "$NGPU" in
         1 | 2 | 4 | 8) ;;
         *)
@@ -138,5 +164,11 @@ env_args=(-x PATH)
 for v in DATA_PATH LD_LIBRARY_PATH; do if [ -n "${!v+x}" ]; then env_args+=(-x "$v"); fi; done
 # every NCCL_* setting of this shell (e.g. NCCL_DEBUG=INFO) reaches every rank
 for v in $(compgen -e | grep '^NCCL_' || true); do env_args+=(-x "$v"); done
+mpi_args=(--quiet -np "$NGPU" --bind-to none)
+if [ "$share" = 1 ]; then
+    export TRAIN_GPT_SHARE_GPUS=1
+    env_args+=(-x TRAIN_GPT_SHARE_GPUS)
+    mpi_args+=(--oversubscribe)  # more ranks than the machine may have cores
+fi
 # --quiet: no banners after a rank's own error message (the trainer says what went wrong)
-exec mpirun --quiet -np "$NGPU" --bind-to none "${env_args[@]}" ./train_gpt "$@"
+exec mpirun "${mpi_args[@]}" "${env_args[@]}" ./train_gpt "$@"

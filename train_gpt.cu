@@ -2781,6 +2781,7 @@ static int run_tool(const std::vector<std::string>& cli);
 static Distributed init_distributed(int& argc, char**& argv);
 static RunSetup resolve_configuration(const std::vector<std::string>& cli, const Distributed& dist);
 static void init_devices(Distributed& d);
+static bool sharing_gpus();
 static std::string open_log(Hyperparameters& args, const Distributed& d, const std::string& data_path, int argc,
                             char** argv);
 static void use_given_plan(Gemms& gemms, const std::string& given_plan);
@@ -2800,6 +2801,8 @@ static int trainer_main(int argc, char** argv) {
     const Hyperparameters& args = setup.args;
     init_devices(dist);
     const std::string configuration = open_log(setup.args, dist, setup.data_path, argc, argv);
+    if (sharing_gpus()) print0("note: ranks share GPUs (TRAIN_GPT_SHARE_GPUS=1): a test of the multi-rank paths; "
+                               "its times mean nothing", true);
 
     // The model's parameters from the seed, the model, the optimizer, the training manager
     ParamStore params(world_size, args.seed);
@@ -4277,6 +4280,36 @@ static void print_help() {
 }
 
 // -----------------------------------------------------------------------------
+// Ranks and GPUs. A rank takes the GPU of its rank within the node. With TRAIN_GPT_SHARE_GPUS=1
+// (run.sh's SHARE_GPUS=1) ranks may outnumber the GPUs: rank r takes GPU r % count, and each rank
+// gives NCCL a host id of its own, so that NCCL, which refuses two ranks on one GPU of one host,
+// connects them over its socket transport on loopback. Real NCCL and real collectives, to test
+// every multi-rank path on one GPU: a correctness mode, slow, never for timing.
+
+static bool sharing_gpus() {
+    const char* v = getenv("TRAIN_GPT_SHARE_GPUS");
+    return v && std::string(v) == "1";
+}
+
+// sets this process's GPU (and, sharing, NCCL's settings for it); before any NCCL call
+static void select_device(int local_rank, int rank) {
+    int num_gpus = 0;
+    CUDA_CHECK(cudaGetDeviceCount(&num_gpus));
+    if (!sharing_gpus()) {
+        if (local_rank >= num_gpus)
+            fail(strprintf("local rank %d has no GPU: this node has %d (TRAIN_GPT_SHARE_GPUS=1 lets ranks share "
+                           "GPUs, to test the multi-rank paths; not for timing)", local_rank, num_gpus));
+        CUDA_CHECK(cudaSetDevice(local_rank));
+        return;
+    }
+    const std::string host_id = strprintf("train_gpt_shared_rank_%d", rank);
+    setenv("NCCL_HOSTID", host_id.c_str(), 1);
+    setenv("NCCL_SOCKET_IFNAME", "lo", 0);  // loopback, unless the caller chose an interface
+    setenv("NCCL_IB_DISABLE", "1", 0);
+    CUDA_CHECK(cudaSetDevice(local_rank % num_gpus));
+}
+
+// -----------------------------------------------------------------------------
 // main's harness: the processes, the log, the configuration, the GEMM plan, the loop's clock
 
 #ifndef TRAIN_GPT_NO_MAIN
@@ -4293,12 +4326,10 @@ static Distributed init_distributed(int& argc, char**& argv) {
 }
 
 static void init_devices(Distributed& d) {
-    int local_rank = 0, num_gpus = 0;
+    int local_rank = 0;
     MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, d.rank, MPI_INFO_NULL, &d.node_comm));
     MPI_CHECK(MPI_Comm_rank(d.node_comm, &local_rank));
-    CUDA_CHECK(cudaGetDeviceCount(&num_gpus));
-    if (local_rank >= num_gpus) fail(strprintf("local rank %d has no GPU: this node has %d", local_rank, num_gpus));
-    CUDA_CHECK(cudaSetDevice(local_rank));
+    select_device(local_rank, d.rank);
     d.comm = nccl_init(d.rank, d.world_size);
 }
 

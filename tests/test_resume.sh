@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # Runs that repeat and resume, on a GPU (make test-gpu): a short run with checkpoints; --rerun of its
-# log (the same validation losses, bit for bit); the rerun stopped by SIGTERM after step 10 and
-# resumed from its checkpoint (the uninterrupted run's losses); the NaN stop; --diff-logs of real
-# logs. Needs a GPU and shards in $TEST_DATA (a folder of *_train_*.bin and *_val_*.bin; make
-# test-gpu sets it: FineWeb's first shards where present, else data/textmix); skips without them.
-#   bash tests/test_resume.sh            last line "N passed, N failed"
+# log (the same validation losses and weights, bit for bit); the rerun stopped by SIGTERM after step
+# 10 and resumed from its checkpoint (the uninterrupted run's losses and weights); the NaN stop;
+# --diff-logs of real logs. The 21 steps hold Adam steps and the untie (step 15). RANKS=N runs each
+# at world size N, the ranks sharing the GPUs where there are fewer than N (TRAIN_GPT_SHARE_GPUS=1).
+# Needs a GPU and shards in $TEST_DATA (a folder of *_train_*.bin and *_val_*.bin; make test-gpu
+# sets it: FineWeb's first shards where present, else data/textmix); skips without them.
+#   [RANKS=2] bash tests/test_resume.sh            last line "N passed, N failed"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 data=${TEST_DATA:-data/textmix}
 case "$data" in /*) ;; *) data=$PWD/$data ;; esac
+ranks=${RANKS:-1}
 if ! nvidia-smi -L >/dev/null 2>&1 || ! compgen -G "$data/*_train_*.bin" >/dev/null || ! compgen -G "$data/*_val_*.bin" >/dev/null; then
     echo "SKIP: test_resume needs a GPU and shards $data/*_{train,val}_*.bin (TEST_DATA; FineWeb's first: python3 data/cached_fineweb10B.py 1)"
     echo "0 passed, 0 failed"
     exit 0
 fi
+source tests/ranks.sh
+echo "world size $ranks$([ -n "${TRAIN_GPT_SHARE_GPUS:-}" ] && echo ", the ranks sharing the GPUs")"
 passed=0 failed=0
 check() {
     local what=$1
@@ -21,41 +26,43 @@ check() {
     if "$@"; then passed=$((passed + 1)); echo "ok $what"; else failed=$((failed + 1)); echo "FAIL $what"; fi
 }
 vals() { grep -E '^step:[0-9]+/[0-9]+ val_loss' "$1" | sed 's/ train_time.*//'; }
-id=test_resume_$$
+id=test_resume_${ranks}_$$
 set -f
 flags=(--train_files "$data/*_train_*.bin" --val_files "$data/*_val_*.bin" --val_tokens 2097152
-       --cycle_data --num_scheduled_iterations 21 --num_extension_iterations 0 --val_loss_every 7 --checkpoint_every 7)
+       --cycle_data --num_scheduled_iterations 21 --num_extension_iterations 0 --val_loss_every 7 --checkpoint_every 7 --save_checkpoint)
 set +f
 out=$(mktemp -d)
 trap 'rm -rf "$out" logs/${id}_* logs/${id}_*.txt' EXIT
 
-./train_gpt "${flags[@]}" --run_id ${id}_a > "$out/a" 2>&1
+trainer "${flags[@]}" --run_id ${id}_a > "$out/a" 2>&1
 check "a run with checkpoints every 7 steps" [ $? = 0 ]
 check "its checkpoints" [ -f logs/${id}_a/state_step000007.bin -a -f logs/${id}_a/state_step000014.bin ]
 check "its GEMM plan in the log" grep -q '^gemm_plan_for = ' logs/${id}_a.txt
 
-./train_gpt --rerun logs/${id}_a.txt --run_id ${id}_b > "$out/b" 2>&1
+trainer --rerun logs/${id}_a.txt --run_id ${id}_b > "$out/b" 2>&1
 check "--rerun of its log" [ $? = 0 ]
 check "--rerun: the same validation losses" [ "$(vals logs/${id}_a.txt)" = "$(vals logs/${id}_b.txt)" ]
+check "--rerun: the same weights" same_weights logs/${id}_a/state_step000021.bin logs/${id}_b/state_step000021.bin
 ./train_gpt --diff-logs logs/${id}_a.txt logs/${id}_b.txt > "$out/diff" 2>&1
 check "--diff-logs of a run and its rerun: exit 0" [ $? = 0 ]
 
-./train_gpt --rerun logs/${id}_a.txt --run_id ${id}_c > "$out/c" 2>&1 &
+trainer --rerun logs/${id}_a.txt --run_id ${id}_c > "$out/c" 2>&1 &
 pid=$!
-for _ in $(seq 1 600); do grep -q '^step:10/21 train' "$out/c" && break; sleep 0.1; done
-kill -TERM $pid
+for _ in $(seq 1 1200); do grep -q '^step:10/21 train' "$out/c" && break; sleep 0.1; done
+kill -TERM $(rank_pid $pid)  # one rank: the stop reaches every rank after the step
 wait $pid
 check "SIGTERM: exit 0" [ $? = 0 ]
 ckpt=$(sed -n 's/.*continue with: .\/train_gpt --resume //p' "$out/c")
 check "SIGTERM: a checkpoint named ($ckpt)" [ -n "$ckpt" -a -f "$ckpt" ]
-./train_gpt --resume "$ckpt" --run_id ${id}_d > "$out/d" 2>&1
+trainer --resume "$ckpt" --run_id ${id}_d > "$out/d" 2>&1
 check "--resume" [ $? = 0 ]
 steps=$(sed -n 's/^resumed from .*: \([0-9]*\) steps done$/\1/p' "$out/d")
 after() { vals "$1" | awk -F'[:/ ]' -v s="${steps:-0}" '$2 > s'; }
 check "--resume: the uninterrupted run's losses after step ${steps:-?}" \
     [ -n "$(after logs/${id}_a.txt)" -a "$(after logs/${id}_a.txt)" = "$(after logs/${id}_d.txt)" ]
+check "--resume: the uninterrupted run's weights" same_weights logs/${id}_a/state_step000021.bin logs/${id}_d/state_step000021.bin
 
-./train_gpt "${flags[@]}" --adam_lr 1e6 --run_id ${id}_e > "$out/e" 2>&1
+trainer "${flags[@]}" --adam_lr 1e6 --run_id ${id}_e > "$out/e" 2>&1
 check "--adam_lr 1e6: stops with an error" [ $? != 0 ]
 check "--adam_lr 1e6: names the layer and the step" grep -qE "NaN or infinity in layer [0-9]+.s output.*step [0-9]+" "$out/e"
 

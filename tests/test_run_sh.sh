@@ -48,7 +48,7 @@ unset_nccl=()
 for v in $(compgen -e | grep '^NCCL_' || true); do unset_nccl+=(-u "$v"); done
 run() {
     rm -f "$tmp/mpirun.args" "$tmp/mpirun.env"
-    env -u NGPU -u DATA_PATH -u LD_LIBRARY_PATH "${unset_nccl[@]}" PATH="$tmp/bin:$real_path" FAKE_DIR="$tmp" \
+    env -u NGPU -u DATA_PATH -u LD_LIBRARY_PATH -u SHARE_GPUS -u TRAIN_GPT_SHARE_GPUS "${unset_nccl[@]}" PATH="$tmp/bin:$real_path" FAKE_DIR="$tmp" \
         FAKE_GPUS=0 "$@" >"$tmp/out" 2>&1
     rc=$?
 }
@@ -147,6 +147,24 @@ done
 run NGPU=4 FAKE_GPUS=0 DATA_PATH="$tmp/data" ./run.sh
 check "NGPU=4 set: no detection, mpirun -np 4" args_have -np 4
 check "NGPU=4 set: nothing printed" [ ! -s "$tmp/out" ]
+
+# --- SHARE_GPUS=1: the ranks share the GPUs (a test mode)
+run SHARE_GPUS=1 NGPU=8 FAKE_GPUS=1 DATA_PATH="$tmp/data" ./run.sh
+check "SHARE_GPUS=1 NGPU=8 on 1 GPU: mpirun -np 8" args_have -np 8
+check "SHARE_GPUS=1: the trainer told" args_have -x TRAIN_GPT_SHARE_GPUS
+check "SHARE_GPUS=1: --oversubscribe" grep -qx -- --oversubscribe "$tmp/mpirun.args"
+check "SHARE_GPUS=1: says it is a test mode" has "a test of the multi-rank paths"
+run SHARE_GPUS=1 FAKE_GPUS=1 DATA_PATH="$tmp/data" ./run.sh
+check "SHARE_GPUS=1 without NGPU: exit 1" [ "$rc" = 1 ]
+check "SHARE_GPUS=1 without NGPU: says so" has "SHARE_GPUS=1 needs NGPU=2, 4 or 8"
+check "SHARE_GPUS=1 without NGPU: no mpirun" not_launched
+run SHARE_GPUS=1 NGPU=2 FAKE_GPUS=0 DATA_PATH="$tmp/data" ./run.sh
+check "SHARE_GPUS=1 without a GPU: the one line" out_is "$no_gpu"
+run SHARE_GPUS=yes NGPU=2 FAKE_GPUS=1 DATA_PATH="$tmp/data" ./run.sh
+check "SHARE_GPUS=yes: exit 1" [ "$rc" = 1 ]
+run NGPU=2 FAKE_GPUS=1 DATA_PATH="$tmp/data" ./run.sh
+check "without SHARE_GPUS: the trainer not told" not grep -qx TRAIN_GPT_SHARE_GPUS "$tmp/mpirun.args"
+check "without SHARE_GPUS: no --oversubscribe" not grep -qx -- --oversubscribe "$tmp/mpirun.args"
 
 # --- the data
 run NGPU=1 DATA_PATH="$tmp/empty" ./run.sh

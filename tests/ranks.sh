@@ -1,0 +1,54 @@
+# Sourced by the GPU shell tests: the trainer at world size $ranks (default 1), and the weights of
+# checkpoints compared.
+#   trainer FLAGS...        ./train_gpt at world size $ranks: under mpirun for 2+ ranks, the ranks
+#                           sharing the GPUs (TRAIN_GPT_SHARE_GPUS=1) where there are fewer than them
+#   rank_pid PID            a process of the run started as PID that is a rank (./train_gpt)
+#   same_weights A.bin B.bin   every parameter of two checkpoints the same, bit for bit
+ranks=${ranks:-1}
+gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU ' || true)
+if [ "$ranks" -gt 1 ] && [ "${gpus:-0}" -lt "$ranks" ]; then export TRAIN_GPT_SHARE_GPUS=1; fi
+if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+trainer() {
+    if [ "$ranks" = 1 ]; then
+        ./train_gpt "$@"
+    else
+        local x=()
+        [ -n "${TRAIN_GPT_SHARE_GPUS:-}" ] && x=(-x TRAIN_GPT_SHARE_GPUS --oversubscribe)
+        mpirun --quiet -np "$ranks" --bind-to none "${x[@]}" ./train_gpt "$@"
+    fi
+}
+rank_pid() {
+    local p="" m
+    for _ in $(seq 1 100); do
+        if [ "$(ps -o comm= -p "$1" 2>/dev/null)" = train_gpt ]; then echo "$1"; return; fi
+        p=$(pgrep -P "$1" -x train_gpt | head -1)
+        for m in $(pgrep -P "$1" -x mpirun); do [ -n "$p" ] || p=$(pgrep -P "$m" -x train_gpt | head -1); done
+        if [ -n "$p" ]; then echo "$p"; return; fi
+        sleep 0.1
+    done
+    echo "$1"
+}
+same_weights() {
+    python3 - "$1" "$2" <<'PY'
+import hashlib, sys
+def params(path):  # the param/* blobs of a checkpoint: its text header names each blob and its size
+    f, out, blobs = open(path, "rb"), {}, []
+    while True:
+        line = f.readline().decode().rstrip("\n")
+        if line.startswith("blob "):
+            _, name, n = line.split(" ")
+            blobs.append((name, int(n)))
+        if line == "end" or not line and f.tell() > 1 << 20:
+            break
+    for name, n in blobs:
+        data = f.read(n)
+        if name.startswith("param/"):
+            out[name] = hashlib.sha256(data).hexdigest()
+    return out
+a, b = params(sys.argv[1]), params(sys.argv[2])
+differ = sorted(k for k in a if a[k] != b.get(k))
+if not a or a.keys() != b.keys() or differ:
+    print("weights differ:", ", ".join(differ) or "other parameters", file=sys.stderr)
+    sys.exit(1)
+PY
+}

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The trainer at several world sizes on one machine (make test-gpu), on real data at small batches
+# (16k / 32k / 49k tokens a step, 22 + 2 steps: Adam steps, the untie at step 15 and the extension):
+#   - world size 8 against world size 1: every validation loss within 3x the noise floor, the
+#     largest difference between two world-size-1 runs that differ only in rounding (the lm_head's
+#     gradient summed over chunks of 1024 rows instead of one chunk), at least 1e-3;
+#   - world size 2 with --early_reduce true and false: the same losses and weights, bit for bit.
+# Ranks share the GPUs where there are fewer than them (TRAIN_GPT_SHARE_GPUS=1: NCCL over sockets,
+# slow; a correctness test). Needs a GPU and shards in $TEST_DATA (as tests/test_resume.sh).
+#   bash tests/test_ranks.sh            last line "N passed, N failed"
+set -uo pipefail
+cd "$(dirname "$0")/.."
+data=${TEST_DATA:-data/textmix}
+case "$data" in /*) ;; *) data=$PWD/$data ;; esac
+if ! nvidia-smi -L >/dev/null 2>&1 || ! compgen -G "$data/*_train_*.bin" >/dev/null || ! compgen -G "$data/*_val_*.bin" >/dev/null; then
+    echo "SKIP: test_ranks needs a GPU and shards $data/*_{train,val}_*.bin (TEST_DATA; FineWeb's first: python3 data/cached_fineweb10B.py 1)"
+    echo "0 passed, 0 failed"
+    exit 0
+fi
+passed=0 failed=0
+check() {
+    local what=$1
+    shift
+    if "$@"; then passed=$((passed + 1)); echo "ok $what"; else failed=$((failed + 1)); echo "FAIL $what"; fi
+}
+vals() { grep -E '^step:[0-9]+/[0-9]+ val_loss' "$1" | sed 's/ train_time.*//'; }
+id=test_ranks_$$
+set -f
+flags=(--train_files "$data/*_train_*.bin" --val_files "$data/*_val_*.bin" --cycle_data
+       --train_bs_schedule 16384,32768,49152 --train_bs_extension 49152 --val_batch_size 131072 --val_tokens 262144
+       --num_scheduled_iterations 22 --num_extension_iterations 2 --val_loss_every 6 --gemm_autotune false
+       --save_checkpoint)
+set +f
+out=$(mktemp -d)
+trap 'rm -rf "$out" logs/${id}_* logs/${id}_*.txt' EXIT
+at() {  # at WORLD_SIZE NAME FLAGS...: a run, its log logs/${id}_NAME.txt
+    local world=$1 name=$2
+    shift 2
+    (ranks=$world && source tests/ranks.sh && trainer "${flags[@]}" --run_id ${id}_$name "$@") > "$out/$name" 2>&1
+    check "world size $world ($name) runs" [ $? = 0 ]
+}
+weights() { echo logs/${id}_$1/state_step000024.bin; }
+
+gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU ' || true)
+if [ "$gpus" -lt 2 ]; then  # without the switch, two ranks on one GPU are refused, saying how to share
+    (ranks=2 && source tests/ranks.sh && unset TRAIN_GPT_SHARE_GPUS && trainer "${flags[@]}" --run_id ${id}_refused) > "$out/refused" 2>&1
+    check "two ranks on one GPU without TRAIN_GPT_SHARE_GPUS: refused" [ $? != 0 ]
+    check "two ranks on one GPU: the message" grep -q "local rank 1 has no GPU: this node has 1 (TRAIN_GPT_SHARE_GPUS=1" "$out/refused"
+fi
+at 1 one
+at 1 one_chunked --logit_chunk_rows 1024
+at 8 eight
+# each validation's loss in the three runs; the floor and the limit from the two at world size 1
+python3 - logs/${id}_one.txt logs/${id}_one_chunked.txt logs/${id}_eight.txt > "$out/compare" <<'PY'
+import re, sys
+def vals(path):
+    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"^step:(\d+)/\d+ val_loss:([0-9.]+)", open(path).read(), re.M)}
+one, chunked, eight = (vals(p) for p in sys.argv[1:])
+floor = max(abs(one[s] - chunked[s]) for s in one)
+limit = 3 * max(floor, 1e-3)
+worst = max(abs(one[s] - eight[s]) for s in one)
+for s in sorted(one):
+    print(f"  step {s:3d}: world size 1 {one[s]:.4f}, rounding {chunked[s]:.4f}, world size 8 {eight[s]:.4f}")
+print(f"  noise floor {floor:.4f}, limit {limit:.4f}, world size 8 off by {worst:.4f}")
+sys.exit(0 if len(one) >= 4 and one.keys() == chunked.keys() == eight.keys() and worst <= limit else 1)
+PY
+rc=$?
+cat "$out/compare"
+check "world size 8 within 3x the noise floor of world size 1" [ $rc = 0 ]
+
+at 2 two
+at 2 two_early --early_reduce true
+check "--early_reduce: the same validation losses" [ -n "$(vals logs/${id}_two.txt)" -a "$(vals logs/${id}_two.txt)" = "$(vals logs/${id}_two_early.txt)" ]
+check "--early_reduce: the same weights" bash -c "source tests/ranks.sh && same_weights $(weights two) $(weights two_early)"
+check "--early_reduce: its plan in the log" grep -q '^backward_reduce_plan\[adam,tied\] = .*attn' logs/${id}_two_early.txt
+
+[ "$failed" = 0 ] || for f in "$out"/*; do echo "--- $f"; tail -5 "$f"; done
+echo "$passed passed, $failed failed"
+[ "$failed" = 0 ]
