@@ -147,6 +147,17 @@ struct Hyperparameters {
     int64_t num_iterations() const { return num_scheduled_iterations + num_extension_iterations; }
 };
 
+// The ranges of the flags the trainer can run (validate_args checks them before anything runs). A
+// rank's micro-batch stays within 2^20 tokens (its activations are indexed with 32-bit offsets);
+// step counts within 10^6 (about 500x the record's; a log of that many steps is ~70 MB); windows
+// and blocks so that a window in tokens fits in an int.
+constexpr int64_t MAX_RANK_TOKENS = 1 << 20;
+constexpr int64_t MAX_STEPS = 1000000;
+constexpr int64_t MAX_BLOCK_SIZE = 8192, MAX_WINDOW_BLOCKS = 8192, MAX_WINDOW_TOKENS = 1 << 24;
+constexpr int64_t MAX_YARN_ROTATIONS = 1 << 20;
+constexpr size_t MAX_LIST = 1024, MAX_TEXT_OPTION = 4096, MAX_RUN_ID = 63;
+constexpr int64_t MAX_LOGIT_CHUNK_ROWS = 32768;  // rows x the padded vocabulary stay below 2^31
+
 // -----------------------------------------------------------------------------
 // The model's shape. The parameter banks are sized from these and from the layer table below.
 
@@ -278,14 +289,13 @@ static bool g_mpi_up = false;
 }
 
 static FILE* g_logfile = nullptr;
+static std::string g_log_error;  // the first failed write to the log (a full disk?): the run stops
 
 // rank 0 writes the log; console=true also prints to stdout
 static void print0(const std::string& s, bool console = false) {
     if (g_rank != 0) return;
-    if (g_logfile) {
-        fprintf(g_logfile, "%s\n", s.c_str());
-        fflush(g_logfile);
-    }
+    if (g_logfile && g_log_error.empty() && (fprintf(g_logfile, "%s\n", s.c_str()) < 0 || fflush(g_logfile) != 0))
+        g_log_error = strprintf("writing the log failed: %s", strerror(errno));
     if (console) {
         printf("%s\n", s.c_str());
         fflush(stdout);
@@ -510,6 +520,9 @@ class Gemms {
     // call of each shape saves, summed
     std::string tuning_report() const;
 
+    // plan_text's lines back: shape text -> algorithm (a malformed or repeated line is refused)
+    static std::map<std::string, cublasLtMatmulAlgo_t> parse_plan(const std::string& text);
+
    private:
     struct Key {
         cudaDataType ta, tb, tc;
@@ -548,8 +561,6 @@ class Gemms {
 
     // a shape as the plan names it (every field of the key: the same text means the same call)
     static std::string key_text(const Key& k);
-    // plan_text's lines back: shape text -> algorithm (a malformed or repeated line is refused)
-    static std::map<std::string, cublasLtMatmulAlgo_t> parse_plan(const std::string& text);
     static std::string algo_hex(const cublasLtMatmulAlgo_t& a);
     static bool parse_algo_hex(const std::string& h, cublasLtMatmulAlgo_t& a);
 
@@ -1696,6 +1707,39 @@ static ncclComm_t nccl_init(int rank, int world_size) {
 // On several GPUs the step follows step_plan: NCCL reduces on their own stream in scatter_order,
 // each update waits only for its own reduce, each sharded update's all-gather starts as soon as it
 // is done, and the compute stream waits for every gather before the next forward pass.
+// The optimizer's host state as a checkpoint keeps it (NorMuonAndAdam::host_state()): tied or
+// untied, and each Adam parameter's step count, once each, at most the steps done.
+struct OptimizerHostState {
+    bool split = false;
+    std::map<std::string, int64_t> adam_steps;
+};
+static OptimizerHostState parse_optimizer_state(const std::string& text, const std::vector<ParamConfig>& cfgs,
+                                                int64_t steps_done) {
+    OptimizerHostState h;
+    bool seen_split = false;
+    for (const std::string& line : split(text, '\n')) {
+        if (line.empty()) continue;
+        const std::vector<std::string> w = split(line, ' ');
+        if (w.size() == 2 && w[0] == "split" && (w[1] == "0" || w[1] == "1") && !seen_split) {
+            h.split = w[1] == "1", seen_split = true;
+        } else if (w.size() == 3 && w[0] == "adam_steps") {
+            auto c = std::find_if(cfgs.begin(), cfgs.end(), [&](const ParamConfig& c) { return c.label == w[1]; });
+            if (c == cfgs.end() || c->optim != Optim::Adam) fail("optimizer state: '" + w[1] + "' is not an Adam parameter");
+            const int64_t t = parse_i64("adam_steps", w[2]);
+            if (t < 0 || t > steps_done) fail("optimizer state: " + w[1] + " has taken " + w[2] + " steps of " +
+                                              std::to_string(steps_done));
+            if (!h.adam_steps.emplace(w[1], t).second) fail("optimizer state: '" + w[1] + "' appears twice");
+        } else {
+            fail("optimizer state: unexpected line '" + line.substr(0, 200) + "'");
+        }
+    }
+    const size_t adam = std::count_if(cfgs.begin(), cfgs.end(), [](const ParamConfig& c) { return c.optim == Optim::Adam; });
+    if (!seen_split || h.adam_steps.size() != adam)
+        fail(strprintf("optimizer state: %zu Adam step counts for %zu Adam parameters%s", h.adam_steps.size(), adam,
+                       seen_split ? "" : ", no 'split' line"));
+    return h;
+}
+
 class NorMuonAndAdam {
    public:
     // comm: NCCL over the ranks; nullptr at world size 1 (no NCCL calls at all)
@@ -1923,24 +1967,10 @@ class NorMuonAndAdam {
             if (st.cfg.optim == Optim::Adam) s += strprintf("adam_steps %s %lld\n", st.cfg.label.c_str(), (long long)st.t);
         return s;
     }
-    void set_host_state(const std::string& text) {
-        int seen = 0;
-        for (const std::string& line : ::split(text, '\n')) {
-            if (line.empty()) continue;
-            const std::vector<std::string> w = ::split(line, ' ');
-            if (w.size() == 2 && w[0] == "split" && (w[1] == "0" || w[1] == "1")) {
-                split_ = w[1] == "1";
-            } else if (w.size() == 3 && w[0] == "adam_steps") {
-                State& st = state(w[1]);
-                if (st.cfg.optim != Optim::Adam) fail("optimizer state: '" + w[1] + "' is not an Adam parameter");
-                st.t = parse_i64("adam_steps", w[2]);
-                ++seen;
-            } else {
-                fail("optimizer state: unexpected line '" + line + "'");
-            }
-        }
-        const int adam = (int)std::count_if(states_.begin(), states_.end(), [](const State& st) { return st.cfg.optim == Optim::Adam; });
-        if (seen != adam) fail(strprintf("optimizer state: %d Adam step counts for %d Adam parameters", seen, adam));
+    void set_host_state(const OptimizerHostState& h) {
+        split_ = h.split;
+        for (State& st : states_)
+            if (st.cfg.optim == Optim::Adam) st.t = h.adam_steps.at(st.cfg.label);
     }
 
     // Where a step's time goes (for `make bench`), from the steps taken while profiling: NorMuon's
@@ -2059,45 +2089,88 @@ struct Shard {
     std::vector<int64_t> bos_idx;  // positions of BOS, ascending
 };
 
+// Opens a regular file for reading. A FIFO, a device or a folder is refused at once: the file is
+// opened without blocking and checked before any read (reading one could block or never end).
+// Returns the descriptor; the size in *bytes.
+static int open_regular_file(const std::string& path, const char* what, uint64_t* bytes) {
+    const int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0) fail(strprintf("cannot open %s %s: %s", what, path.c_str(), strerror(errno)));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        const int err = errno;
+        close(fd);
+        fail(strprintf("%s %s is not a regular file%s", what, path.c_str(),
+                       S_ISDIR(st.st_mode) ? " (a folder)" : S_ISFIFO(st.st_mode) ? " (a FIFO)" :
+                       S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? " (a device)" : err ? strerror(err) : ""));
+    }
+    *bytes = (uint64_t)st.st_size;
+    return fd;
+}
+
+struct FdCloser {
+    int fd;
+    ~FdCloser() { close(fd); }
+};
+
+// Reads exactly n bytes at offset (a file that shrank underneath is an error naming `what`).
+static void read_exactly(int fd, void* dst, uint64_t n, uint64_t offset, const std::string& what) {
+    char* p = (char*)dst;
+    while (n > 0) {
+        const ssize_t r = pread(fd, p, (size_t)std::min<uint64_t>(n, 1 << 30), (off_t)offset);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) fail(strprintf("%s: read failed: %s", what.c_str(), r < 0 ? strerror(errno) : "unexpected end of file"));
+        p += r, n -= (uint64_t)r, offset += (uint64_t)r;
+    }
+}
+
+// The whole of a regular file of at most max_bytes.
+static std::string read_regular_file(const std::string& path, uint64_t max_bytes, const char* what) {
+    uint64_t bytes = 0;
+    FdCloser f{open_regular_file(path, what, &bytes)};
+    if (bytes > max_bytes)
+        fail(strprintf("%s %s is %llu bytes, more than a %s may have (%llu)", what, path.c_str(), (unsigned long long)bytes,
+                       what, (unsigned long long)max_bytes));
+    std::string text(bytes, '\0');
+    read_exactly(f.fd, text.data(), bytes, 0, strprintf("%s %s", what, path.c_str()));
+    return text;
+}
+
+// Opens a data shard and checks its header against the file: a regular file, the magic number, the
+// version, the token count and the file's size. Returns the descriptor; the tokens in *num_tokens.
+static int open_data_shard(const std::string& path, int64_t* num_tokens) {
+    uint64_t bytes = 0;
+    const int fd = open_regular_file(path, "data shard", &bytes);
+    const uint64_t header_bytes = SHARD_HEADER_INTS * 4;
+    try {
+        if (bytes < header_bytes)
+            fail(strprintf("data shard %s: %llu bytes is shorter than its %llu-byte header", path.c_str(),
+                           (unsigned long long)bytes, (unsigned long long)header_bytes));
+        int32_t header[SHARD_HEADER_INTS];
+        read_exactly(fd, header, header_bytes, 0, "data shard " + path);
+        if (header[0] != SHARD_MAGIC)
+            fail(strprintf("data shard %s: magic number %d, expected %d (not a FineWeb .bin shard?)", path.c_str(),
+                           header[0], SHARD_MAGIC));
+        if (header[1] != SHARD_VERSION)
+            fail(strprintf("data shard %s: unsupported version %d, expected %d", path.c_str(), header[1], SHARD_VERSION));
+        *num_tokens = header[2];
+        if (*num_tokens < 0 || bytes - header_bytes != 2 * (uint64_t)*num_tokens)
+            fail(strprintf("data shard %s: header says %lld tokens (%lld bytes) but the file holds %llu bytes after the "
+                           "header", path.c_str(), (long long)*num_tokens, (long long)(2 * *num_tokens),
+                           (unsigned long long)(bytes - header_bytes)));
+    } catch (...) {
+        close(fd);
+        throw;
+    }
+    return fd;
+}
+
 static std::shared_ptr<Shard> load_data_shard(const std::string& path) {
     auto shard = std::make_shared<Shard>();
     shard->path = path;
-    int fd = open(path.c_str(), O_RDONLY);
-    if (fd < 0) fail(strprintf("cannot open data shard %s: %s", path.c_str(), strerror(errno)));
-    struct FdCloser {
-        int fd;
-        ~FdCloser() { close(fd); }
-    } closer{fd};
-    struct stat st;
-    if (fstat(fd, &st) != 0) fail(strprintf("cannot stat data shard %s: %s", path.c_str(), strerror(errno)));
-    const int64_t header_bytes = SHARD_HEADER_INTS * 4;
-    if (st.st_size < header_bytes)
-        fail(strprintf("data shard %s: %lld bytes is shorter than its %lld-byte header", path.c_str(),
-                       (long long)st.st_size, (long long)header_bytes));
-    auto read_all = [&](void* dst, int64_t nbytes) {
-        char* p = (char*)dst;
-        while (nbytes > 0) {
-            ssize_t r = read(fd, p, (size_t)std::min<int64_t>(nbytes, 1 << 30));
-            if (r < 0 && errno == EINTR) continue;
-            if (r <= 0) fail(strprintf("data shard %s: read failed: %s", path.c_str(), r < 0 ? strerror(errno) : "unexpected end of file"));
-            p += r;
-            nbytes -= r;
-        }
-    };
-    int32_t header[SHARD_HEADER_INTS];
-    read_all(header, header_bytes);
-    if (header[0] != SHARD_MAGIC)
-        fail(strprintf("data shard %s: magic number %d, expected %d (not a FineWeb .bin shard?)", path.c_str(),
-                       header[0], SHARD_MAGIC));
-    if (header[1] != SHARD_VERSION)
-        fail(strprintf("data shard %s: unsupported version %d, expected %d", path.c_str(), header[1], SHARD_VERSION));
-    const int64_t num_tokens = header[2];
-    const int64_t payload = st.st_size - header_bytes;
-    if (num_tokens < 0 || payload != 2 * num_tokens)
-        fail(strprintf("data shard %s: header says %lld tokens (%lld bytes) but the file holds %lld bytes after the "
-                       "header", path.c_str(), (long long)num_tokens, (long long)(2 * num_tokens), (long long)payload));
+    int64_t num_tokens = 0;
+    FdCloser f{open_data_shard(path, &num_tokens)};
     shard->tokens.resize(num_tokens);
-    read_all(shard->tokens.data(), 2 * num_tokens);
+    read_exactly(f.fd, shard->tokens.data(), 2 * (uint64_t)num_tokens, SHARD_HEADER_INTS * 4, "data shard " + path);
     const uint16_t* t = shard->tokens.data();
     uint16_t max_tok = 0;
     for (int64_t i = 0; i < num_tokens; ++i) max_tok = std::max(max_tok, t[i]);  // vectorises
@@ -2296,6 +2369,51 @@ struct LoaderOptions {
     int64_t capacity_tokens = 0;      // per-rank tokens to size the buffers for up front
 };
 
+// Where a rank is in the training stream between two micro-batches (DistributedDataGenerator's
+// position(), kept in a checkpoint): the shard (index in the file list and path), the BOS finder's
+// place in it, the batch it builds (tokens per micro-step over all ranks, the sequence cut).
+struct DataPosition {
+    int64_t file = 0;
+    std::string path;
+    int64_t bos = 0, batch_iter = 0, n_quick = -1, quickload_batches = 0, num_tokens = 0, max_seq_len = 0;
+};
+
+static DataPosition parse_data_position(const std::string& text) {
+    const std::vector<std::string> l = split(text, '\n');
+    if (l.size() != 6 || !l[5].empty()) fail("data position: not 5 lines");
+    auto field = [&](size_t i, const char* key, size_t n) {
+        std::vector<std::string> w = keyed_line(l, i, key, "data position");
+        if (w.size() != n + 1) fail(strprintf("data position: line %zu is not '%s' and %zu values", i + 1, key, n));
+        return w;
+    };
+    const std::vector<std::string> f = field(0, "file", 2), b = field(1, "bos", 1), it = field(2, "batch_iter", 1),
+                                   q = field(3, "quick", 2), bs = field(4, "batch", 2);
+    DataPosition p;
+    p.file = parse_i64("file", f[1]), p.path = f[2];
+    p.bos = parse_i64("bos", b[1]), p.batch_iter = parse_i64("batch_iter", it[1]);
+    p.n_quick = parse_i64("quick", q[1]), p.quickload_batches = parse_i64("quick", q[2]);
+    p.num_tokens = parse_i64("batch", bs[1]), p.max_seq_len = parse_i64("batch", bs[2]);
+    if (p.file < 0 || p.bos < 0 || p.batch_iter < 0 || p.n_quick < -1 || p.quickload_batches < 0 || p.num_tokens <= 0 ||
+        p.max_seq_len <= 0)
+        fail("data position: a negative value");
+    return p;
+}
+
+// A position against a file list, the shard's count of BOS (n_bos < 0: not known yet), the world
+// size and the per-rank tokens the device buffers hold (capacity; 0: not bounded here).
+static void check_data_position(const DataPosition& p, const std::vector<std::string>& files, int64_t n_bos,
+                                int world_size, int64_t capacity) {
+    if (p.file >= (int64_t)files.size() || files[p.file] != p.path)
+        fail(strprintf("data position: file %lld (%s) is not in this run's file list (%zu files)", (long long)p.file,
+                       p.path.c_str(), files.size()));
+    if (p.num_tokens % world_size != 0 || (capacity > 0 && p.num_tokens / world_size > capacity))
+        fail(strprintf("data position: a batch of %lld tokens over %d ranks is not one this run's buffers hold (%lld "
+                       "tokens a rank)", (long long)p.num_tokens, world_size, (long long)capacity));
+    if (n_bos >= 0 && (p.bos > n_bos || p.n_quick > n_bos))
+        fail(strprintf("data position: BOS %lld (quick %lld) is out of range for %s (%lld documents)", (long long)p.bos,
+                       (long long)p.n_quick, p.path.c_str(), (long long)n_bos));
+}
+
 // The record's distributed_data_generator: each call of next() is one micro-step of one rank.
 class DistributedDataGenerator {
    public:
@@ -2423,34 +2541,20 @@ class DistributedDataGenerator {
                          (long long)finder_->n_quick, (long long)finder_->quickload_batches, (long long)num_tokens_,
                          (long long)max_seq_len_);
     }
-    // Continues from a position() of the same file list.
-    void seek(const std::string& text) {
+    // Continues from a position() of the same file list (parsed and checked by parse_data_position).
+    void seek(const DataPosition& p) {
         if (!opt_.align_to_bos) fail("seek: only the BOS-aligned training stream has a position");
-        const std::vector<std::string> l = split(text, '\n');
-        auto field = [&](size_t i, const char* key, size_t n) {
-            std::vector<std::string> w = keyed_line(l, i, key, "data position");
-            if (w.size() != n + 1) fail(strprintf("data position: line %zu is not '%s ...'", i + 1, key));
-            return w;
-        };
-        const std::vector<std::string> f = field(0, "file", 2), b = field(1, "bos", 1), it = field(2, "batch_iter", 1),
-                                       q = field(3, "quick", 2), bs = field(4, "batch", 2);
-        const int64_t file = parse_i64("file", f[1]);
-        if (file < 0 || file >= (int64_t)files_.size() || files_[file] != f[2])
-            fail(strprintf("data position: file %lld (%s) is not in this run's file list (%zu files)", (long long)file,
-                           f[2].c_str(), files_.size()));
+        check_data_position(p, files_, -1, world_size_, opt_.capacity_tokens);
+        std::shared_ptr<Shard> shard = load_data_shard(files_[p.file]);
+        check_data_position(p, files_, (int64_t)shard->bos_idx.size(), world_size_, opt_.capacity_tokens);
         preloader_.reset();
         finder_.reset();
-        shard_ = load_data_shard(files_[file]);
+        shard_ = std::move(shard);
         finder_ = std::make_unique<BOSFinder>(shard_);
-        const int64_t n_bos = (int64_t)shard_->bos_idx.size();
-        finder_->i = parse_i64("bos", b[1]);
-        finder_->batch_iter = parse_i64("batch_iter", it[1]);
-        finder_->n_quick = parse_i64("quick", q[1]), finder_->quickload_batches = parse_i64("quick", q[2]);
-        num_tokens_ = parse_i64("batch", bs[1]), max_seq_len_ = parse_i64("batch", bs[2]);
-        if (finder_->i < 0 || finder_->i > n_bos || finder_->batch_iter < 0 || finder_->n_quick < -1 ||
-            finder_->n_quick > n_bos || num_tokens_ <= 0 || num_tokens_ % world_size_ != 0 || max_seq_len_ <= 0)
-            fail("data position: a value out of range for " + files_[file]);
-        preloader_ = std::make_unique<DataPreloader>(files_, (size_t)file + 1, opt_.cycle);
+        finder_->i = p.bos, finder_->batch_iter = p.batch_iter;
+        finder_->n_quick = p.n_quick, finder_->quickload_batches = p.quickload_batches;
+        num_tokens_ = p.num_tokens, max_seq_len_ = p.max_seq_len;
+        preloader_ = std::make_unique<DataPreloader>(files_, (size_t)p.file + 1, opt_.cycle);
     }
 
    private:
@@ -2543,17 +2647,18 @@ static int64_t get_split_step(const Hyperparameters& a) {
     return (int64_t)std::ceil(a.split_embed_frac * (double)a.num_scheduled_iterations) | 1;
 }
 
-// steps at which the long window changes (each needs a YaRN update)
+// steps at which the long window changes (each needs a YaRN update). get_ws changes only where its
+// schedule index does (near k/len of the scheduled steps) and where the extension starts: only the
+// steps around those are looked at, so a long run costs no more than a short one.
 static std::vector<int64_t> get_transition_steps(const Hyperparameters& a) {
+    const int64_t n = a.num_scheduled_iterations, len = (int64_t)a.ws_schedule.size();
+    std::set<int64_t> near = {n};
+    for (int64_t k = 1; k < len; ++k)
+        for (int64_t d = -2; d <= 2; ++d) near.insert(k * n / len + d);
     std::vector<int64_t> steps;
-    int64_t ws_long = get_ws(a, 0).long_ws;
-    for (int64_t step = 1; step < a.num_iterations(); ++step) {
-        int64_t w = get_ws(a, step).long_ws;
-        if (w != ws_long) {
+    for (int64_t step : near)
+        if (step >= 1 && step < a.num_iterations() && get_ws(a, step).long_ws != get_ws(a, step - 1).long_ws)
             steps.push_back(step);
-            ws_long = w;
-        }
-    }
     return steps;
 }
 
@@ -2566,6 +2671,52 @@ static std::vector<int64_t> get_warmup_steps(const Hyperparameters& a) {
     std::sort(steps.begin(), steps.end());
     steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
     return steps;
+}
+
+// the largest training micro-batch of a rank, which its device buffers hold (8 = ranks x accumulation steps)
+static int64_t rank_capacity(const Hyperparameters& a) {
+    int64_t bs = a.train_bs_extension;
+    for (int64_t b : a.train_bs_schedule) bs = std::max(bs, b);
+    return bs / 8;
+}
+
+// The schedule's state between two steps as a checkpoint keeps it (TrainingManager::state()),
+// parsed and checked against the configuration: windows in range, a batch size of the schedule,
+// a positive attention scale, finite frequencies, one to three MTP weights.
+struct ScheduleState {
+    int64_t ws_short = 0, ws_long = 0, batch_size = 0;
+    YarnState yarn;
+    std::vector<float> mtp_weights;
+};
+static ScheduleState parse_schedule_state(const std::string& text, const Hyperparameters& a) {
+    const std::vector<std::string> l = split(text, '\n');
+    if (l.size() != 6 || !l[5].empty()) fail("schedule state: not 5 lines");
+    auto words = [&](size_t i, const char* key) { return keyed_line(l, i, key, "schedule state"); };
+    auto number = [](const std::string& v) {  // as state() writes them: %a
+        char* end = nullptr;
+        const bool plain = !v.empty() && v.size() <= 64 && v.find_first_not_of("0123456789abcdefABCDEFxXpP.+-") == std::string::npos;
+        const double x = plain ? strtod(v.c_str(), &end) : 0;
+        if (!plain || *end || !std::isfinite(x)) fail("schedule state: '" + v + "' is not a finite number");
+        return x;
+    };
+    const std::vector<std::string> w = words(0, "windows"), b = words(1, "batch_size"), at = words(2, "attn_scale"),
+                                   y = words(3, "yarn"), m = words(4, "mtp");
+    if (w.size() != 3 || b.size() != 2 || at.size() != 2 || y.size() != HEAD_DIM + 1 || m.size() < 2 || m.size() > 4)
+        fail("schedule state: wrong number of values");
+    ScheduleState st;
+    st.ws_short = parse_i64("windows", w[1]), st.ws_long = parse_i64("windows", w[2]);
+    if (st.ws_short < 0 || st.ws_short > MAX_WINDOW_BLOCKS || st.ws_long < 1 || st.ws_long > MAX_WINDOW_BLOCKS)
+        fail(strprintf("schedule state: windows %s %s are not in 0..%lld and 1..%lld", w[1].c_str(), w[2].c_str(),
+                       (long long)MAX_WINDOW_BLOCKS, (long long)MAX_WINDOW_BLOCKS));
+    st.batch_size = parse_i64("batch_size", b[1]);
+    if (st.batch_size != a.train_bs_extension &&
+        std::find(a.train_bs_schedule.begin(), a.train_bs_schedule.end(), st.batch_size) == a.train_bs_schedule.end())
+        fail("schedule state: batch size " + b[1] + " is not one of this configuration's");
+    st.yarn.attn_scale = number(at[1]);
+    if (!(st.yarn.attn_scale > 0)) fail("schedule state: the attention scale is not positive");
+    for (int i = 0; i < HEAD_DIM; ++i) st.yarn.angular_freq.push_back((float)number(y[1 + i]));
+    for (size_t i = 1; i < m.size(); ++i) st.mtp_weights.push_back((float)number(m[i]));
+    return st;
 }
 
 // The record's TrainingManager. Manages the NorMuonAndAdam for all parameters with explicit ordering:
@@ -2675,25 +2826,11 @@ class TrainingManager {
         for (float w : fa_.mtp_weights) s += strprintf(" %a", (double)w);
         return s + "\n";
     }
-    void set_state(const std::string& text) {
-        const std::vector<std::string> l = split(text, '\n');
-        auto words = [&](size_t i, const char* key) { return keyed_line(l, i, key, "schedule state"); };
-        auto number = [](const std::string& v) {
-            char* end = nullptr;
-            const double x = strtod(v.c_str(), &end);
-            if (v.empty() || *end || !std::isfinite(x)) fail("schedule state: '" + v + "' is not a number");
-            return x;
-        };
-        const std::vector<std::string> w = words(0, "windows"), b = words(1, "batch_size"), a = words(2, "attn_scale"),
-                                       y = words(3, "yarn"), m = words(4, "mtp");
-        if (w.size() != 3 || b.size() != 2 || a.size() != 2 || y.size() != HEAD_DIM + 1 || m.size() < 2 || m.size() > 4)
-            fail("schedule state: wrong number of values");
-        fa_.ws_short = parse_i64("windows", w[1]), fa_.ws_long = parse_i64("windows", w[2]);
-        batch_size_ = parse_i64("batch_size", b[1]);
-        fa_.yarn.attn_scale = number(a[1]);
-        for (int i = 0; i < HEAD_DIM; ++i) fa_.yarn.angular_freq[i] = (float)number(y[1 + i]);
-        fa_.mtp_weights.clear();
-        for (size_t i = 1; i < m.size(); ++i) fa_.mtp_weights.push_back((float)number(m[i]));
+    void set_state(const ScheduleState& st) {
+        fa_.ws_short = st.ws_short, fa_.ws_long = st.ws_long;
+        batch_size_ = st.batch_size;
+        fa_.yarn = st.yarn;
+        fa_.mtp_weights = st.mtp_weights;
     }
 
    private:
@@ -2726,6 +2863,16 @@ struct RunState {
     double training_time_ms = 0;
 };
 
+struct ResumeState;
+// A run's resolved inputs, every one checked: the configuration, where the data is, and what a
+// --rerun log or a --resume checkpoint brings (the GEMM plan to follow; the state to continue from)
+struct RunSetup {
+    Hyperparameters args;
+    int world_size = 0;
+    std::string data_path, gemm_plan;
+    std::shared_ptr<ResumeState> resume;  // --resume: the checkpoint, read and checked through
+};
+
 #ifndef TRAIN_GPT_NO_MAIN
 // The processes of a run: MPI ranks, one GPU each (by rank within the node), NCCL over them.
 struct Distributed {
@@ -2734,19 +2881,11 @@ struct Distributed {
     ncclComm_t comm = nullptr;  // none at world size 1
 };
 
-struct CheckpointHeader;
-// A run's resolved inputs: the configuration, where the data is, and what a --rerun log or a
-// --resume checkpoint brings (the GEMM plan to follow; the state to continue from)
-struct RunSetup {
-    Hyperparameters args;
-    std::string data_path, gemm_plan, resume_path;
-    std::shared_ptr<const CheckpointHeader> resume_header;
-};
 
 class LoopProfiler;
 class RunHarness {  // the training loop's clock, step lines, profiler, checkpoints and --resume
    public:
-    RunHarness(const Hyperparameters& args, const RunSetup& setup, const std::string& configuration,
+    RunHarness(const Hyperparameters& args, RunSetup& setup, const std::string& configuration,
                const std::string& gemm_plan, ParamStore& params, NorMuonAndAdam& opt, TrainingManager& tm,
                DistributedDataGenerator& loader, const Distributed& dist, cudaStream_t stream);
     ~RunHarness();
@@ -2754,9 +2893,9 @@ class RunHarness {  // the training loop's clock, step lines, profiler, checkpoi
     bool stopped() const { return stopped_; }                  // by SIGINT/SIGTERM, after a checkpoint
     void stop_clock();                                         // for validation
     void log_validation(int64_t step, double val_loss);        // and the clock again
-    void checkpoint(int64_t steps_done);                       // off the clock
+    void checkpoint(int64_t steps_done);                       // off the clock; a failure is said, and the run goes on
     void timed_step(int64_t step, const std::function<void()>& train_step);
-    void finish();
+    int finish();                                              // the exit status
 
    private:
     double elapsed_ms() const;
@@ -2774,6 +2913,7 @@ class RunHarness {  // the training loop's clock, step lines, profiler, checkpoi
     double training_time_ms_ = 0, clock_at_start_ = 0;
     int64_t first_step_ = 0;
     bool stopped_ = false;
+    std::string failure_;  // a failed final checkpoint or log write: the run exits 1
     std::chrono::steady_clock::time_point t0_;
 };
 
@@ -2793,7 +2933,7 @@ static void finalize_distributed(Distributed& d);
 // harness (configuration, log, GEMM plan, clock, checkpoints; below the line) leaves the math alone.
 static int trainer_main(int argc, char** argv) {
     const std::vector<std::string> cli(argv + 1, argv + argc);
-    const int tool_rc = run_tool(cli);  // --help, --print-source, --diff-logs
+    const int tool_rc = run_tool(cli);  // --help, --print-source, --diff-logs, --check
     if (tool_rc >= 0) return tool_rc;
     Distributed dist = init_distributed(argc, argv);
     const int world_size = dist.world_size, grad_accum_steps = 8 / world_size;
@@ -2808,9 +2948,7 @@ static int trainer_main(int argc, char** argv) {
     ParamStore params(world_size, args.seed);
     print0(strprintf("parameters: %lld in %zu banks, %.1f MiB with gradients", (long long)params.count(),
                      model_params(world_size).size(), params.bytes() / 1048576.0), true);
-    int64_t capacity = args.train_bs_extension;  // the largest training micro-batch of a rank
-    for (int64_t bs : args.train_bs_schedule) capacity = std::max(capacity, bs);
-    capacity /= 8;
+    const int64_t capacity = rank_capacity(args);  // the largest training micro-batch of a rank
     const int64_t eval_local = args.val_batch_size / 8, max_local = std::max(capacity, eval_local);
     const int max_cu = (int)max_num_docs_of(max_local);
     Gemms gemms(args.gemm_autotune, (int)args.gemm_candidates);
@@ -2885,12 +3023,12 @@ static int trainer_main(int argc, char** argv) {
         run.timed_step(step, [&] { training_manager.train_step(step, *loader); });
         if (run.stopped()) break;  // SIGINT/SIGTERM: after a checkpoint
     }
-    run.finish();
+    const int rc = run.finish();
 
     CUDA_CHECK(cudaStreamDestroy(stream));
     if (g_logfile) fclose(g_logfile);
     finalize_distributed(dist);
-    return 0;
+    return rc;
 }
 
 int main(int argc, char** argv) {
@@ -3343,20 +3481,40 @@ static std::string format_option(const Option& o) {
     return "";
 }
 
+// Integers are read strictly: decimal digits, a '-' only before them; no space, '+' or hex (strtoll
+// alone takes " 5", "+5" and "0x5", and a negative unsigned wraps around).
+static bool plain_integer(const std::string& v, bool allow_minus) {
+    const size_t first = allow_minus && !v.empty() && v[0] == '-' ? 1 : 0;
+    if (v.size() == first || v.size() > first + 20) return false;
+    return std::all_of(v.begin() + first, v.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
 static int64_t parse_i64(const std::string& flag, const std::string& v) {
     errno = 0;
     char* end = nullptr;
-    long long x = strtoll(v.c_str(), &end, 10);
-    if (v.empty() || *end != '\0' || errno == ERANGE)
-        fail(strprintf("--%s: '%s' is not an integer", flag.c_str(), v.c_str()));
+    const long long x = plain_integer(v, true) ? strtoll(v.c_str(), &end, 10) : 0;
+    if (!plain_integer(v, true) || *end != '\0' || errno == ERANGE)
+        fail(strprintf("--%s: '%s' is not an integer (decimal digits, a leading '-' at most)", flag.c_str(), v.c_str()));
+    return x;
+}
+
+static uint64_t parse_u64(const std::string& flag, const std::string& v) {
+    errno = 0;
+    char* end = nullptr;
+    const unsigned long long x = plain_integer(v, false) ? strtoull(v.c_str(), &end, 10) : 0;
+    if (!plain_integer(v, false) || *end != '\0' || errno == ERANGE)
+        fail(strprintf("--%s: '%s' is not an unsigned integer (decimal digits only)", flag.c_str(), v.c_str()));
     return x;
 }
 
 static double parse_f64(const std::string& flag, const std::string& v) {
     errno = 0;
     char* end = nullptr;
-    double x = strtod(v.c_str(), &end);
-    if (v.empty() || *end != '\0' || errno == ERANGE || !std::isfinite(x))
+    // decimal notation only (strtod alone also takes a leading space or '+', hex, inf and nan)
+    const bool plain = !v.empty() && v.size() <= 64 && (isdigit((unsigned char)v[0]) || v[0] == '-' || v[0] == '.') &&
+                       v.find_first_not_of("0123456789.eE+-") == std::string::npos;
+    const double x = plain ? strtod(v.c_str(), &end) : 0;
+    if (!plain || *end != '\0' || errno == ERANGE || !std::isfinite(x))
         fail(strprintf("--%s: '%s' is not a finite number", flag.c_str(), v.c_str()));
     return x;
 }
@@ -3385,16 +3543,7 @@ static void set_option(const Option& o, const std::string& v) {
     const std::string flag = o.name;
     switch (o.type) {
         case OptType::I64: *(int64_t*)o.ptr = parse_i64(flag, v); break;
-        case OptType::U64: {
-            if (!v.empty() && v[0] == '-') fail(strprintf("--%s: '%s' must not be negative", o.name, v.c_str()));
-            errno = 0;
-            char* end = nullptr;
-            unsigned long long x = strtoull(v.c_str(), &end, 10);
-            if (v.empty() || *end != '\0' || errno == ERANGE)
-                fail(strprintf("--%s: '%s' is not an unsigned integer", o.name, v.c_str()));
-            *(uint64_t*)o.ptr = x;
-            break;
-        }
+        case OptType::U64: *(uint64_t*)o.ptr = parse_u64(flag, v); break;
         case OptType::F64: *(double*)o.ptr = parse_f64(flag, v); break;
         case OptType::STR: *(std::string*)o.ptr = v; break;
         case OptType::BOOL:
@@ -3443,50 +3592,76 @@ static void parse_args(Hyperparameters& args, const std::vector<std::string>& ar
     }
 }
 
-// Checks that the configuration can run at this world size; every message names the flag.
+// the rules of a run id: it names logs/<run_id>.txt and the folder logs/<run_id>/
+static void check_run_id(const std::string& id, const char* what) {
+    if (id.size() > MAX_RUN_ID)
+        fail(strprintf("%s '%.20s...' is %zu characters: at most %zu", what, id.c_str(), id.size(), MAX_RUN_ID));
+    for (char c : id)
+        if (!(isalnum((unsigned char)c) || c == '-' || c == '_' || c == '.'))
+            fail(strprintf("%s '%s' may hold only letters, digits, '-', '_' and '.'", what, id.c_str()));
+    if (!id.empty() && id[0] == '.') fail(strprintf("%s '%s' must not start with '.'", what, id.c_str()));
+}
+
+// Checks that the configuration can run at this world size; every message names the flag and its
+// range. Sizes are checked before any product of them is formed, so nothing overflows.
 static void validate_args(const Hyperparameters& a, int world_size) {
     if (world_size < 1 || 8 % world_size != 0)
         fail(strprintf("world size %d does not divide 8 (run on 1, 2, 4 or 8 GPUs)", world_size));
-    auto positive = [](const char* flag, int64_t v) {
+    auto range = [](const char* flag, int64_t v, int64_t lo, int64_t hi) {
+        if (v < lo || v > hi)
+            fail(strprintf("--%s must be in %lld..%lld, got %lld", flag, (long long)lo, (long long)hi, (long long)v));
+    };
+    auto positive = [&](const char* flag, int64_t v, int64_t hi) {
         if (v <= 0) fail(strprintf("--%s must be positive, got %lld", flag, (long long)v));
+        range(flag, v, 1, hi);
     };
-    auto non_negative = [](const char* flag, int64_t v) {
+    auto non_negative = [&](const char* flag, int64_t v, int64_t hi) {
         if (v < 0) fail(strprintf("--%s must not be negative, got %lld", flag, (long long)v));
+        range(flag, v, 0, hi);
     };
-    if (a.train_files.empty()) fail("--train_files must not be empty");
-    if (a.val_files.empty()) fail("--val_files must not be empty");
-    positive("train_max_seq_len", a.train_max_seq_len);
-    positive("block_size", a.block_size);
-    if (a.gemm_candidates < 1 || a.gemm_candidates > GEMM_MAX_CANDIDATES)
-        fail(strprintf("--gemm_candidates must be in 1..%d, got %lld", GEMM_MAX_CANDIDATES, (long long)a.gemm_candidates));
+    auto list_size = [](const char* flag, size_t n) {
+        if (n == 0) fail(strprintf("--%s must hold at least one value", flag));
+        if (n > MAX_LIST) fail(strprintf("--%s holds %zu values, at most %zu", flag, n, MAX_LIST));
+    };
+    for (auto [flag, v] : {std::pair<const char*, const std::string*>{"train_files", &a.train_files},
+                           {"val_files", &a.val_files}, {"run_id", &a.run_id}}) {
+        if (v->empty() && std::string(flag) != "run_id") fail(strprintf("--%s must not be empty", flag));
+        if (v->size() > MAX_TEXT_OPTION) fail(strprintf("--%s is %zu characters, at most %zu", flag, v->size(), MAX_TEXT_OPTION));
+        for (char c : *v)
+            if ((unsigned char)c < 0x20 || c == 0x7f) fail(strprintf("--%s must not hold control characters", flag));
+    }
+    check_run_id(a.run_id, "--run_id");
+    positive("train_max_seq_len", a.train_max_seq_len, MAX_RANK_TOKENS);
+    positive("block_size", a.block_size, MAX_BLOCK_SIZE);
+    range("gemm_candidates", a.gemm_candidates, 1, GEMM_MAX_CANDIDATES);
     // 8 = world size x accumulation steps: every micro-batch holds whole max-length sequences
     const int64_t unit = 8 * a.train_max_seq_len;
     auto batch = [&](const char* flag, int64_t v) {
-        positive(flag, v);
+        positive(flag, v, 8 * MAX_RANK_TOKENS);
         if (v % unit != 0)
             fail(strprintf("--%s: %lld is not divisible by 8 x train_max_seq_len = %lld", flag, (long long)v,
                            (long long)unit));
     };
-    if (a.train_bs_schedule.empty()) fail("--train_bs_schedule must hold at least one batch size");
+    list_size("train_bs_schedule", a.train_bs_schedule.size());
     for (int64_t bs : a.train_bs_schedule) batch("train_bs_schedule", bs);
     batch("train_bs_extension", a.train_bs_extension);
     batch("val_batch_size", a.val_batch_size);
-    positive("val_tokens", a.val_tokens);
+    positive("val_tokens", a.val_tokens, int64_t(1) << 40);
     if (a.val_tokens % a.val_batch_size != 0)
         fail(strprintf("--val_tokens: %lld is not a multiple of --val_batch_size %lld", (long long)a.val_tokens,
                        (long long)a.val_batch_size));
-    positive("num_scheduled_iterations", a.num_scheduled_iterations);
-    non_negative("num_extension_iterations", a.num_extension_iterations);
+    positive("num_scheduled_iterations", a.num_scheduled_iterations, MAX_STEPS);
+    non_negative("num_extension_iterations", a.num_extension_iterations, MAX_STEPS);
     if (!(a.cooldown_frac > 0 && a.cooldown_frac <= 1))
         fail(strprintf("--cooldown_frac must be in (0, 1], got %s", format_double(a.cooldown_frac).c_str()));
     if (!(a.split_embed_frac > 0 && a.split_embed_frac <= 1))
         fail(strprintf("--split_embed_frac must be in (0, 1], got %s", format_double(a.split_embed_frac).c_str()));
-    if (a.lr_max_schedule.empty()) fail("--lr_max_schedule must hold at least one value");
+    list_size("lr_max_schedule", a.lr_max_schedule.size());
     for (double v : a.lr_max_schedule)
         if (v <= 0) fail(strprintf("--lr_max_schedule values must be positive, got %s", format_double(v).c_str()));
     if (a.lr_min < 0) fail("--lr_min must not be negative");
-    positive("muon_warmup_steps", a.muon_warmup_steps);
-    positive("muon_cooldown_steps", a.muon_cooldown_steps);
+    positive("muon_warmup_steps", a.muon_warmup_steps, MAX_STEPS);
+    positive("muon_cooldown_steps", a.muon_cooldown_steps, MAX_STEPS);
     if (!(a.momentum_min >= 0 && a.momentum_min < 1)) fail("--momentum_min must be in [0, 1)");
     if (!(a.momentum_max >= 0 && a.momentum_max < 1)) fail("--momentum_max must be in [0, 1)");
     for (auto [flag, v] : {std::pair<const char*, double>{"adam_lr", a.adam_lr}, {"adam_eps", a.adam_eps},
@@ -3498,19 +3673,37 @@ static void validate_args(const Hyperparameters& a, int world_size) {
     if (a.adam_weight_decay < 0) fail("--adam_weight_decay must not be negative");
     if (a.normuon_weight_decay < 0) fail("--normuon_weight_decay must not be negative");
     if (!(a.normuon_beta2 >= 0 && a.normuon_beta2 < 1)) fail("--normuon_beta2 must be in [0, 1)");
-    non_negative("val_loss_every", a.val_loss_every);
-    non_negative("checkpoint_every", a.checkpoint_every);
-    non_negative("profile_steps", a.profile_steps);
-    positive("logit_chunk_rows", a.logit_chunk_rows);
+    non_negative("val_loss_every", a.val_loss_every, MAX_STEPS);
+    non_negative("checkpoint_every", a.checkpoint_every, MAX_STEPS);
+    non_negative("profile_steps", a.profile_steps, MAX_STEPS);
+    positive("logit_chunk_rows", a.logit_chunk_rows, MAX_LOGIT_CHUNK_ROWS);
     if (a.logit_chunk_rows % 16) fail(strprintf("--logit_chunk_rows must be a multiple of 16 (fp8 GEMMs), got %lld", (long long)a.logit_chunk_rows));
-    if (a.ws_schedule.empty()) fail("--ws_schedule must hold at least one window");
-    for (int64_t w : a.ws_schedule) positive("ws_schedule", w);
-    positive("ws_final", a.ws_final);
-    positive("ws_validate_post_yarn_ext", a.ws_validate_post_yarn_ext);
+    list_size("ws_schedule", a.ws_schedule.size());
+    auto window = [&](const char* flag, int64_t w) {
+        positive(flag, w, MAX_WINDOW_BLOCKS);
+        if (w * a.block_size > MAX_WINDOW_TOKENS)
+            fail(strprintf("--%s: %lld blocks of --block_size %lld tokens is more than %lld tokens", flag, (long long)w,
+                           (long long)a.block_size, (long long)MAX_WINDOW_TOKENS));
+    };
+    for (int64_t w : a.ws_schedule) window("ws_schedule", w);
+    window("ws_final", a.ws_final);
+    window("ws_validate_post_yarn_ext", a.ws_validate_post_yarn_ext);
+    range("yarn_alpha", a.yarn_alpha, 0, MAX_YARN_ROTATIONS);
+    range("yarn_beta", a.yarn_beta, 0, MAX_YARN_ROTATIONS);
     if (a.yarn_beta <= a.yarn_alpha) fail("--yarn_beta must be larger than --yarn_alpha");
-    for (char c : a.run_id)
-        if (!(isalnum((unsigned char)c) || c == '-' || c == '_' || c == '.'))
-            fail(strprintf("--run_id '%s' may hold only letters, digits, '-', '_' and '.'", a.run_id.c_str()));
+    // YaRN multiplies the attention scale by 1 + 0.2 ln(new/old) at each window change: a window
+    // that shrinks more than e^5-fold would make it negative
+    YarnState y = yarn_reset(a);
+    int64_t ws_long = get_ws(a, 0).long_ws;
+    for (int64_t step : get_transition_steps(a)) {
+        const int64_t w = get_ws(a, step).long_ws;
+        yarn_apply(a, y, ws_long, w);
+        if (!(y.attn_scale > 0 && std::isfinite(y.attn_scale)))
+            fail(strprintf("--ws_schedule/--ws_final: the long window going from %lld to %lld blocks at step %lld makes "
+                           "YaRN's attention scale %s (a window may shrink at most e^5-fold)", (long long)ws_long,
+                           (long long)w, (long long)step, format_double(y.attn_scale).c_str()));
+        ws_long = w;
+    }
 }
 
 // -----------------------------------------------------------------------------
@@ -3559,38 +3752,30 @@ struct LogParts {
     std::string last_step_line, memory_line;
 };
 
-// The whole text of a file from a FILE* (a file or a pipe), then closes it with `close`.
-template <typename Close>
-static std::string drain(FILE* f, Close close, int* status = nullptr) {
-    std::string text;
-    char buf[1 << 16];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
-    const int st = close(f);
-    if (status) *status = st;
-    return text;
-}
-
-// false if the file cannot be opened
-static bool read_text(const std::string& path, std::string& text) {
-    FILE* f = fopen(path.c_str(), "rb");
-    if (!f) return false;
-    text = drain(f, fclose);
-    return true;
-}
-
 // Runs a shell command; its standard output in out, its exit status returned (-1: it did not run).
 static int run_capture(const std::string& cmd, std::string& out) {
     FILE* p = popen(cmd.c_str(), "r");
     if (!p) return -1;
-    int st = 0;
-    out = drain(p, pclose, &st);
+    out.clear();
+    char buf[1 << 16];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+    const int st = pclose(p);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
+constexpr uint64_t MAX_LOG_BYTES = 256ull << 20;  // a log of 10^6 steps with its sources is ~70 MB
+constexpr size_t MAX_LOG_LINE = 1 << 20;
+
 static LogParts split_log(const std::string& path) {
-    std::string text;
-    if (!read_text(path, text)) fail(strprintf("cannot open log %s: %s", path.c_str(), strerror(errno)));
+    const std::string text = read_regular_file(path, MAX_LOG_BYTES, "log");
+    size_t line_start = 0;
+    for (size_t nl; (nl = text.find('\n', line_start)) != std::string::npos || line_start < text.size(); line_start = nl + 1) {
+        if (nl == std::string::npos) nl = text.size();
+        if (nl - line_start > MAX_LOG_LINE)
+            fail(strprintf("log %s: line %lld is longer than %zu bytes (not a train_gpt log)", path.c_str(),
+                           (long long)std::count(text.begin(), text.begin() + line_start, '\n') + 1, MAX_LOG_LINE));
+    }
     const std::string sep = "\n\n" + SOURCE_RULE + "\n# triton_kernels.cu\n" + SOURCE_RULE + "\n\n";
     const std::string rule = "\n" + LOG_RULE + "\n";
     size_t a = text.find(sep);
@@ -3630,8 +3815,10 @@ static LogParts split_log(const std::string& path) {
 
 static void write_file(const std::string& path, const std::string& text) {
     FILE* f = fopen(path.c_str(), "wb");
-    if (!f || fwrite(text.data(), 1, text.size(), f) != text.size() || fclose(f) != 0)
-        fail(strprintf("cannot write %s: %s", path.c_str(), strerror(errno)));
+    bool ok = f && fwrite(text.data(), 1, text.size(), f) == text.size();
+    const int err = errno;
+    ok = f && fclose(f) == 0 && ok;
+    if (!ok) fail(strprintf("cannot write %s: %s", path.c_str(), strerror(err ? err : errno)));
 }
 
 // `key = value` lines of a configuration block, in order (lines without " = " are left out)
@@ -3724,6 +3911,14 @@ static int diff_logs(const std::string& log_a, const std::string& log_b) {
     char tmpl[] = "/tmp/train_gpt_diff_XXXXXX";
     if (!mkdtemp(tmpl)) fail(strprintf("cannot make a temporary folder: %s", strerror(errno)));
     const std::string dir = tmpl;
+    struct Cleanup {  // the temporary files go on every path, an error's too
+        std::string dir;
+        std::vector<std::string> files;
+        ~Cleanup() {
+            for (const std::string& f : files) unlink(f.c_str());
+            rmdir(dir.c_str());
+        }
+    } cleanup{dir, {}};
     int status_all = 0;
     const std::pair<const char*, std::string LogParts::*> parts[] = {
         {"train_gpt.cu", &LogParts::train_gpt},
@@ -3731,6 +3926,7 @@ static int diff_logs(const std::string& log_a, const std::string& log_b) {
         {"configuration", &LogParts::configuration}};
     for (auto& [name, member] : parts) {
         std::string fa = dir + "/a_" + name, fb = dir + "/b_" + name;
+        cleanup.files.push_back(fa), cleanup.files.push_back(fb);
         write_file(fa, pa.*member);
         write_file(fb, pb.*member);
         std::string la_ = log_a + ":" + name, lb_ = log_b + ":" + name;
@@ -3744,10 +3940,7 @@ static int diff_logs(const std::string& log_a, const std::string& log_b) {
         int code = WIFEXITED(status) ? WEXITSTATUS(status) : 2;
         if (code > 1) fail(strprintf("diff failed on %s (exit %d)", name, code));
         status_all |= code;
-        unlink(fa.c_str());
-        unlink(fb.c_str());
     }
-    rmdir(dir.c_str());
     if (status_all == 0) printf("same sources and configuration\n");
     return status_all;
 }
@@ -3961,18 +4154,31 @@ static void write_checkpoint_file(const std::string& path, int world_size, int64
         unlink(tmp.c_str());
         fail(strprintf("writing checkpoint %s failed: %s", path.c_str(), err.c_str()));
     }
+    // the rename lasts only once the folder that holds the name is on disk too
+    const size_t slash = path.rfind('/');
+    const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+    const int dfd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0 || fsync(dfd) != 0) {
+        const std::string err = strerror(errno);
+        if (dfd >= 0) close(dfd);
+        fail(strprintf("syncing the folder of checkpoint %s failed: %s", path.c_str(), err.c_str()));
+    }
+    close(dfd);
 }
 
-// The header, checked for form and against the file's size; no blob is read.
+constexpr uint64_t MAX_CHECKPOINT_BYTES = 64ull << 30;
+
+// The header, checked for form and against the file's size; no blob is read. A regular file of at
+// most 64 GiB; each field once; a world size of 1, 2, 4 or 8; every size bounded before it is added.
 static CheckpointHeader read_checkpoint_header(const std::string& path) {
-    FILE* f = fopen(path.c_str(), "rb");
-    if (!f) fail(strprintf("cannot open checkpoint %s: %s", path.c_str(), strerror(errno)));
-    std::string text(CHECKPOINT_MAX_HEADER, '\0');
-    text.resize(fread(text.data(), 1, text.size(), f));
-    fseeko(f, 0, SEEK_END);
-    const uint64_t file_bytes = (uint64_t)ftello(f);
-    fclose(f);
+    uint64_t file_bytes = 0;
+    FdCloser f{open_regular_file(path, "checkpoint", &file_bytes)};
     auto bad = [&](const std::string& why) { fail("checkpoint " + path + ": " + why); };
+    if (file_bytes > MAX_CHECKPOINT_BYTES)
+        bad(strprintf("%llu bytes, more than a checkpoint may have (%llu)", (unsigned long long)file_bytes,
+                      (unsigned long long)MAX_CHECKPOINT_BYTES));
+    std::string text(std::min<uint64_t>(file_bytes, CHECKPOINT_MAX_HEADER), '\0');
+    read_exactly(f.fd, text.data(), text.size(), 0, "checkpoint " + path);
     const size_t end = text.find("\nend\n");
     if (text.rfind("train_gpt checkpoint ", 0) != 0) bad("not a train_gpt checkpoint");
     CheckpointHeader h;
@@ -3981,36 +4187,48 @@ static CheckpointHeader read_checkpoint_header(const std::string& path) {
     const std::vector<std::string> lines = split(text.substr(0, end), '\n');
     const std::string version = lines[0].substr(21);
     if (version != std::to_string(CHECKPOINT_VERSION))
-        bad(strprintf("format version %s; this trainer reads version %d", version.c_str(), CHECKPOINT_VERSION));
+        bad(strprintf("format version %.20s; this trainer reads version %d", version.c_str(), CHECKPOINT_VERSION));
     uint64_t total = 0;
-    int fields = 0;
+    std::set<std::string> fields, blob_names;
     for (size_t i = 1; i < lines.size(); ++i) {
         const std::vector<std::string> w = split(lines[i], ' ');
+        const std::string shown = lines[i].substr(0, 200);
         auto want = [&](size_t n) {
-            if (w.size() != n) bad(strprintf("header line %zu is malformed: '%s'", i + 1, lines[i].c_str()));
+            if (w.size() != n) bad(strprintf("header line %zu is malformed: '%s'", i + 1, shown.c_str()));
         };
         auto count = [&](const std::string& v, uint64_t max) {
             errno = 0;
             char* e = nullptr;
-            const unsigned long long x = strtoull(v.c_str(), &e, 10);
-            if (v.empty() || *e || errno || v[0] == '-' || x > max)
-                bad(strprintf("header line %zu: '%s' is not a size up to %llu", i + 1, v.c_str(), (unsigned long long)max));
+            const unsigned long long x = plain_integer(v, false) ? strtoull(v.c_str(), &e, 10) : 0;
+            if (!plain_integer(v, false) || *e || errno || x > max)
+                bad(strprintf("header line %zu: '%.40s' is not a size up to %llu", i + 1, v.c_str(), (unsigned long long)max));
             return (uint64_t)x;
         };
-        if (w.empty()) bad(strprintf("header line %zu is empty", i + 1));
-        if (w[0] == "world_size") want(2), h.world_size = (int)count(w[1], 1024), ++fields;
-        else if (w[0] == "step") want(2), h.step = (int64_t)count(w[1], 1ull << 40), ++fields;
-        else if (w[0] == "config_hash") want(2), h.config_hash = w[1], ++fields;
-        else if (w[0] == "source_hash") want(2), h.source_hash = w[1], ++fields;
-        else if (w[0] == "checksum") want(2), h.checksum = w[1], ++fields;
+        auto hash = [&](const std::string& v) {
+            if (v.size() != 16 || v.find_first_not_of("0123456789abcdef") != std::string::npos)
+                bad(strprintf("header line %zu: '%.40s' is not a hash (16 hex digits)", i + 1, v.c_str()));
+            return v;
+        };
+        if (w.empty() || w[0].empty()) bad(strprintf("header line %zu is empty", i + 1));
+        if (w[0] != "blob" && !fields.insert(w[0]).second)
+            bad(strprintf("header line %zu: '%.40s' appears twice", i + 1, w[0].c_str()));
+        if (w[0] == "world_size") {
+            want(2), h.world_size = (int)count(w[1], 8);
+            if (h.world_size < 1 || 8 % h.world_size != 0)
+                bad(strprintf("world size %d (a run has 1, 2, 4 or 8 ranks)", h.world_size));
+        } else if (w[0] == "step") want(2), h.step = (int64_t)count(w[1], 2 * MAX_STEPS);
+        else if (w[0] == "config_hash") want(2), h.config_hash = hash(w[1]);
+        else if (w[0] == "source_hash") want(2), h.source_hash = hash(w[1]);
+        else if (w[0] == "checksum") want(2), h.checksum = hash(w[1]);
         else if (w[0] == "blob") {
             want(3);
             if (h.blobs.size() >= 100000) bad("more than 100000 blobs");
-            h.blobs.push_back({w[1], count(w[2], 1ull << 40)});
-            total += h.blobs.back().second;
-        } else bad(strprintf("header line %zu is unknown: '%s'", i + 1, lines[i].c_str()));
+            if (!blob_names.insert(w[1]).second) bad(strprintf("header line %zu: blob '%.100s' appears twice", i + 1, w[1].c_str()));
+            h.blobs.push_back({w[1], count(w[2], MAX_CHECKPOINT_BYTES)});
+            total += h.blobs.back().second;  // at most 10^5 sizes of at most 2^36 each: no overflow
+        } else bad(strprintf("header line %zu is unknown: '%s'", i + 1, shown.c_str()));
     }
-    if (fields != 5) bad("header lacks world_size, step, config_hash, source_hash or checksum");
+    if (fields.size() != 5) bad("header lacks world_size, step, config_hash, source_hash or checksum");
     if (file_bytes != h.header_bytes + total)
         bad(strprintf("%llu bytes, the header says %llu (truncated or corrupt)", (unsigned long long)file_bytes,
                       (unsigned long long)(h.header_bytes + total)));
@@ -4040,24 +4258,20 @@ static std::map<std::string, std::string> read_checkpoint_blobs(const std::strin
     }
     for (const auto& [name, spec] : expected)
         if (!seen.count(name)) bad("lacks '" + name + "' (other model, world size or format?)");
-    FILE* f = fopen(path.c_str(), "rb");
-    if (!f) bad(strerror(errno));
+    uint64_t file_bytes = 0;
+    FdCloser f{open_regular_file(path, "checkpoint", &file_bytes)};
     std::map<std::string, std::string> out;
     uint64_t hash = HASH_SEED, offset = h.header_bytes;
     for (const auto& [name, bytes] : h.blobs) {
         const bool keep = want.empty() || want.count(name);
         if (keep || verify) {
             std::string data(bytes, '\0');
-            if (fseeko(f, (off_t)offset, SEEK_SET) != 0 || fread(data.data(), 1, bytes, f) != bytes) {
-                fclose(f);
-                bad("cannot read '" + name + "' (truncated?)");
-            }
+            read_exactly(f.fd, data.data(), bytes, offset, "checkpoint " + path + " ('" + name + "', truncated?)");
             hash = hash_bytes(data.data(), data.size(), hash);
             if (keep) out[name] = std::move(data);
         }
         offset += bytes;
     }
-    fclose(f);
     if (verify && hex64(hash) != h.checksum) bad("checksum mismatch: the file is corrupt");
     return out;
 }
@@ -4086,7 +4300,11 @@ static LoggedRun parse_logged_configuration(const std::string& block, const std:
         auto it = std::find_if(opts.begin(), opts.end(), [&](const Option& o) { return key == o.name; });
         try {
             if (key == "DATA_PATH") run.data_path = value;
-            else if (key == "world_size") run.world_size = (int)parse_i64("world_size", value);
+            else if (key == "world_size") {
+                const int64_t ws = parse_i64("world_size", value);
+                if (ws < 1 || ws > 8 || 8 % ws != 0) fail("world_size " + value + " is not 1, 2, 4 or 8");
+                run.world_size = (int)ws;
+            }
             else if (it != opts.end() && key != "run_id") set_option(*it, value);
         } catch (const TrainerError& e) {
             fail(strprintf("%s line %d: %s", where.c_str(), no, e.what()));
@@ -4119,8 +4337,38 @@ static void check_logged_configuration(const std::string& block, const std::stri
     }
 }
 
-// Rank `rank`'s blobs on the GPU: its gradients of the Adam parameters and its optimizer shards
-// (every rank's have this rank's sizes: the shards are even).
+// The blobs of a checkpoint of this configuration at this world size, with their sizes: the model's
+// and every rank's optimizer shards follow from the configuration alone, so a checkpoint is checked
+// through before any GPU work. Rank R's blobs: its gradients of the Adam parameters, its optimizer
+// state (Adam m, v; NorMuon buf, sm, mant) and its data position.
+static std::map<std::string, BlobSpec> checkpoint_layout(const Hyperparameters& a, int world_size) {
+    std::map<std::string, BlobSpec> m;
+    for (const char* text : {"config", "gemm_plan", "trainer", "schedule", "optimizer"}) m[text] = {CHECKPOINT_MAX_TEXT, true};
+    const std::vector<ParamShape> params = model_params(world_size);
+    auto bytes = [](const ParamShape& ps) { return (uint64_t)ps.numel() * (ps.fp32 ? 4 : 2); };
+    for (const ParamShape& ps : params) m["param/" + ps.label] = {bytes(ps), false};
+    for (int r = 0; r < world_size; ++r) {
+        const std::string prefix = strprintf("rank%d/", r);
+        for (const ParamShape& ps : params)
+            if (table_entry(ps.label).optim == Optim::Adam) m[prefix + "grad/" + ps.label] = {bytes(ps), false};
+        for (const ParamConfig& c : build_param_configs(a, params, world_size, r)) {
+            const uint64_t n = (uint64_t)c.chunk_numel();
+            const std::string st = prefix + "state/" + c.label + "/";
+            if (c.optim == Optim::Adam) {
+                m[st + "m"] = {4 * n, false}, m[st + "v"] = {4 * n, false};
+            } else {
+                const auto& sh = c.second_moment_shape;
+                m[st + "buf"] = {4 * n, false}, m[st + "mant"] = {2 * n, false};
+                m[st + "sm"] = {4 * (uint64_t)(sh[0] * sh[1] * sh[2]), false};
+            }
+        }
+        m[prefix + "data"] = {CHECKPOINT_MAX_TEXT, true};
+    }
+    return m;
+}
+
+// Rank `rank`'s blobs on the GPU (names and sizes as checkpoint_layout gives them; every rank's
+// have this rank's sizes: the shards are even).
 struct DeviceBlob {
     std::string name;
     void* data;
@@ -4135,30 +4383,18 @@ static std::vector<DeviceBlob> rank_device_blobs(ParamStore& params, const NorMu
     return out;
 }
 
-// The blobs of a checkpoint of this model, optimizer and world size, with their sizes.
-static std::map<std::string, BlobSpec> checkpoint_layout(ParamStore& params, const NorMuonAndAdam& opt, int world_size) {
-    std::map<std::string, BlobSpec> m;
-    for (const char* text : {"config", "gemm_plan", "trainer", "schedule", "optimizer"}) m[text] = {CHECKPOINT_MAX_TEXT, true};
-    for (Param& p : params.all()) m["param/" + p.shape.label] = {p.bytes(), false};
-    for (int r = 0; r < world_size; ++r) {
-        for (const DeviceBlob& b : rank_device_blobs(params, opt, r)) m[b.name] = {b.bytes, false};
-        m[strprintf("rank%d/data", r)] = {CHECKPOINT_MAX_TEXT, true};
-    }
-    return m;
-}
-
 static std::string download(const void* dev, size_t bytes) {
     std::string h(bytes, '\0');
     CUDA_CHECK(cudaMemcpy(h.data(), dev, bytes, cudaMemcpyDeviceToHost));
     return h;
 }
-static void upload(void* dev, const std::string& h) { CUDA_CHECK(cudaMemcpy(dev, h.data(), h.size(), cudaMemcpyHostToDevice)); }
 
 // What a checkpoint holds besides the model, as the trainer passes it in.
 
 // Writes logs/<run_id>/state_stepNNNNNN.bin (NNNNNN: steps done) at a step boundary: every rank
 // sends its own blobs (its gradients, optimizer shards and data position) to rank 0, which writes
-// the file. Returns the path.
+// the file. Returns the path, or throws (on every rank) if rank 0 could not write it; a file that
+// was there is left as it was.
 static std::string save_checkpoint(const Hyperparameters& args, ParamStore& params, const NorMuonAndAdam& opt,
                                    const TrainingManager& tm, const DistributedDataGenerator& loader, const RunState& rs,
                                    int rank, int world_size) {
@@ -4179,6 +4415,9 @@ static std::string save_checkpoint(const Hyperparameters& args, ParamStore& para
                 MPI_CHECK(MPI_Send(part->data(), (int)len, MPI_BYTE, 0, 7, MPI_COMM_WORLD));
             }
         MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
+        int failed = 0;
+        MPI_CHECK(MPI_Bcast(&failed, 1, MPI_INT, 0, MPI_COMM_WORLD));
+        if (failed) fail("rank 0 could not write checkpoint " + path);
         return path;
     }
     std::vector<std::pair<std::string, std::string>> blobs = {
@@ -4203,15 +4442,23 @@ static std::string save_checkpoint(const Hyperparameters& args, ParamStore& para
             blobs.push_back({parts[0], parts[1]});
         }
     }
-    mkdir("logs", 0755);
-    mkdir(dir.c_str(), 0755);
-    write_checkpoint_file(path, world_size, rs.steps_done, hash_text(rs.configuration), hash_text(source_block()), blobs);
+    std::string error;
+    try {
+        mkdir("logs", 0755);
+        mkdir(dir.c_str(), 0755);
+        write_checkpoint_file(path, world_size, rs.steps_done, hash_text(rs.configuration), hash_text(source_block()), blobs);
+    } catch (const TrainerError& e) {
+        error = e.what();
+    }
     MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
+    int failed = !error.empty();
+    MPI_CHECK(MPI_Bcast(&failed, 1, MPI_INT, 0, MPI_COMM_WORLD));
+    if (failed) fail(error);
     return path;
 }
 
-// The checkpoint's header and text blobs (the configuration and the GEMM plan a resumed run
-// starts from), before the model exists; the rest is checked when it is loaded.
+// The checkpoint's text blobs that say what it continues (its configuration, GEMM plan and trainer
+// state), read before the configuration is known; the rest is checked by read_resume_state.
 static std::map<std::string, std::string> read_checkpoint_texts(const std::string& path, const CheckpointHeader& h) {
     std::map<std::string, BlobSpec> any;
     for (const auto& [name, bytes] : h.blobs) any[name] = {bytes, false};
@@ -4223,37 +4470,98 @@ static std::map<std::string, std::string> read_checkpoint_texts(const std::strin
     return read_checkpoint_blobs(path, h, any, {"config", "gemm_plan", "trainer"}, false);
 }
 
-// Loads a checkpoint into the model, the optimizer, the schedule and this rank's data stream (every
-// blob checked first: names, sizes, checksum). Returns the steps done and the clock.
-static RunState load_checkpoint(const std::string& path, const CheckpointHeader& h, ParamStore& params,
-                                NorMuonAndAdam& opt, TrainingManager& tm, DistributedDataGenerator& loader, int rank,
-                                int world_size) {
-    if (h.world_size != world_size)
-        fail(strprintf("checkpoint %s was written at world size %d; this run has %d ranks", path.c_str(), h.world_size,
-                       world_size));
-    const std::string prefix = strprintf("rank%d/", rank);
-    const std::map<std::string, BlobSpec> layout = checkpoint_layout(params, opt, world_size);
+// A --resume checkpoint read and checked through before any GPU work: every blob's name and size
+// against this configuration's layout, the checksum over every byte, then the state texts parsed
+// and bounded by what this configuration allocates (the step, the schedule, the optimizer's step
+// counts, each checked rank's data position against the data and the device buffers).
+struct ResumeState {
+    std::string path;
+    CheckpointHeader header;
+    RunState run;  // the steps done and the clock
+    ScheduleState schedule;
+    std::map<int, OptimizerHostState> optimizer;  // by rank
+    std::map<int, DataPosition> position;         // by rank
+    std::map<std::string, std::string> blobs;     // the parameters and the checked ranks' device blobs
+};
+
+static RunState parse_trainer_state(const std::string& text, const std::string& where) {
+    const std::vector<std::string> l = split(text, '\n');
+    auto bad = [&] { fail(where + ": the trainer blob is not 'steps_done N' and 'training_time_ms T'"); };
+    if (l.size() != 3 || !l[2].empty()) bad();
+    const std::vector<std::string> s = keyed_line(l, 0, "steps_done", where.c_str()),
+                                   t = keyed_line(l, 1, "training_time_ms", where.c_str());
+    if (s.size() != 2 || t.size() != 2 || t[1].size() > 40 || t[1].find_first_not_of("0123456789abcdefx.p+-") != std::string::npos)
+        bad();
+    RunState rs;
+    rs.steps_done = parse_i64("steps_done", s[1]);
+    char* end = nullptr;
+    rs.training_time_ms = strtod(t[1].c_str(), &end);
+    if (*end || !std::isfinite(rs.training_time_ms) || rs.training_time_ms < 0) bad();
+    return rs;
+}
+
+static ResumeState read_resume_state(const std::string& path, const CheckpointHeader& h, const Hyperparameters& a,
+                                     int world_size, const std::vector<int>& ranks, const std::string& data_path) {
+    ResumeState r;
+    r.path = path, r.header = h;
+    const std::map<std::string, BlobSpec> layout = checkpoint_layout(a, world_size);
     std::set<std::string> want;
-    for (const auto& [name, spec] : layout)
-        if (name.rfind("rank", 0) != 0 || name.rfind(prefix, 0) == 0) want.insert(name);
-    std::map<std::string, std::string> b = read_checkpoint_blobs(path, h, layout, want, true);
+    for (const auto& [name, spec] : layout) {
+        bool mine = name.rfind("rank", 0) != 0;
+        for (int rank : ranks) mine = mine || name.rfind(strprintf("rank%d/", rank), 0) == 0;
+        if (mine) want.insert(name);
+    }
+    r.blobs = read_checkpoint_blobs(path, h, layout, want, true);
+    const std::string where = "checkpoint " + path;
+    r.run = parse_trainer_state(r.blobs.at("trainer"), where);
+    if (r.run.steps_done != h.step) fail(where + ": the trainer blob does not match the header's step");
+    if (h.step < 1 || h.step > a.num_iterations())
+        fail(strprintf("%s: %lld steps done is not within this schedule's 1..%lld", where.c_str(), (long long)h.step,
+                       (long long)a.num_iterations()));
+    try {
+        r.schedule = parse_schedule_state(r.blobs.at("schedule"), a);
+        const std::vector<std::string> files = list_files(join_data_path(data_path, a.train_files));
+        std::map<std::string, int64_t> bos_counts;
+        for (int rank : ranks) {
+            r.optimizer[rank] = parse_optimizer_state(r.blobs.at("optimizer"),
+                                                      build_param_configs(a, model_params(world_size), world_size, rank), h.step);
+            const DataPosition p = parse_data_position(r.blobs.at(strprintf("rank%d/data", rank)));
+            check_data_position(p, files, -1, world_size, rank_capacity(a));
+            if (p.max_seq_len != a.train_max_seq_len)
+                fail(strprintf("data position: sequences cut at %lld, this configuration at %lld", (long long)p.max_seq_len,
+                               (long long)a.train_max_seq_len));
+            if (!bos_counts.count(p.path)) bos_counts[p.path] = (int64_t)load_data_shard(p.path)->bos_idx.size();
+            check_data_position(p, files, bos_counts[p.path], world_size, rank_capacity(a));
+            r.position[rank] = p;
+        }
+    } catch (const TrainerError& e) {
+        fail(where + ": " + e.what());
+    }
+    r.blobs.erase("config"), r.blobs.erase("gemm_plan"), r.blobs.erase("trainer"), r.blobs.erase("schedule"),
+        r.blobs.erase("optimizer");
+    return r;
+}
+
+// Loads a checked checkpoint (read_resume_state) into the model, the optimizer, the schedule and
+// this rank's data stream; its blobs are freed as they go up.
+static void load_checkpoint(ResumeState& r, ParamStore& params, NorMuonAndAdam& opt, TrainingManager& tm,
+                            DistributedDataGenerator& loader, int rank) {
+    auto up = [&](const std::string& name, void* dev, size_t bytes) {
+        std::string& h = r.blobs.at(name);
+        if (h.size() != bytes) fail(strprintf("checkpoint: '%s' holds %zu bytes, the model's %zu", name.c_str(), h.size(), bytes));
+        CUDA_CHECK(cudaMemcpy(dev, h.data(), bytes, cudaMemcpyHostToDevice));
+        std::string().swap(h);
+    };
     for (Param& p : params.all()) {
-        upload(p.data, b.at("param/" + p.shape.label));
+        up("param/" + p.shape.label, p.data, p.bytes());
         CUDA_CHECK(cudaMemset(p.grad, 0, p.bytes()));
     }
-    for (const DeviceBlob& d : rank_device_blobs(params, opt, rank)) upload(d.data, b.at(d.name));
-    opt.set_host_state(b.at("optimizer"));
-    tm.set_state(b.at("schedule"));
-    loader.seek(b.at(prefix + "data"));
-    RunState rs;
-    rs.configuration = b.at("config"), rs.gemm_plan = b.at("gemm_plan");
-    long long steps = -1;
-    double clock = 0;
-    if (sscanf(b.at("trainer").c_str(), "steps_done %lld\ntraining_time_ms %la", &steps, &clock) != 2 || steps != h.step)
-        fail("checkpoint " + path + ": the trainer blob does not match the header's step");
-    rs.steps_done = steps, rs.training_time_ms = clock;
+    for (const DeviceBlob& d : rank_device_blobs(params, opt, rank)) up(d.name, d.data, d.bytes);
+    opt.set_host_state(r.optimizer.at(rank));
+    tm.set_state(r.schedule);
+    loader.seek(r.position.at(rank));
+    r.blobs.clear();
     CUDA_CHECK(cudaDeviceSynchronize());
-    return rs;
 }
 
 // SIGINT / SIGTERM: the first asks every rank to stop after the current step (rank 0 writes a
@@ -4271,6 +4579,9 @@ static void print_help() {
            "       mpirun -np N ./train_gpt --resume CKPT [flags] continue from a checkpoint\n"
            "       ./train_gpt --print-source                  print the embedded sources\n"
            "       ./train_gpt --diff-logs A.txt B.txt          compare two logs: summary, then diffs (exit 0/1/2)\n"
+           "       ./train_gpt --check [flags | --rerun LOG | --resume CKPT]  check every input as a run would, print\n"
+           "                                                   its configuration; no GPU (world size: the log's, else\n"
+           "                                                   $TRAIN_GPT_WORLD_SIZE, else 8)\n"
            "Data files are found at $DATA_PATH/<train_files|val_files> (DATA_PATH defaults to '.').\n");
     const char* group = nullptr;
     for (const Option& o : options_of(defaults)) {
@@ -4307,6 +4618,133 @@ static void select_device(int local_rank, int rank) {
     setenv("NCCL_SOCKET_IFNAME", "lo", 0);  // loopback, unless the caller chose an interface
     setenv("NCCL_IB_DISABLE", "1", 0);
     CUDA_CHECK(cudaSetDevice(local_rank % num_gpus));
+}
+
+// -----------------------------------------------------------------------------
+// The inputs of a run, all checked before any GPU work; --check
+
+// logs/<run_id>.txt, and what a run says when it is there already (a log is never overwritten)
+static std::string log_path(const std::string& run_id) { return "logs/" + run_id + ".txt"; }
+static std::string log_exists(const std::string& run_id) {
+    return log_path(run_id) + " exists: a run never overwrites a log (choose another --run_id, or none for a fresh uuid)";
+}
+
+// a plan's lines after its first, which names the machine it was made for
+static std::string plan_body(const std::string& plan) {
+    const size_t nl = plan.find('\n');
+    return nl == std::string::npos ? std::string() : plan.substr(nl + 1);
+}
+
+// A GEMM plan from a log or a checkpoint: its first line names the machine, every other line is
+// 'gemm SHAPE = ALGORITHM (note)' (whether the machine is this one is checked on the GPU)
+static void check_gemm_plan(const std::string& plan, const std::string& where) {
+    if (plan.rfind("gemm_plan_for = ", 0) != 0) fail(where + ": the GEMM plan does not start with 'gemm_plan_for = '");
+    try {
+        Gemms::parse_plan(plan_body(plan));
+    } catch (const TrainerError& e) {
+        fail(where + ": " + e.what());
+    }
+}
+
+// Everything a run takes in, checked before any GPU work and before a log exists: the flags; a
+// --rerun log (its sources, configuration and GEMM plan) or a --resume checkpoint (its header,
+// configuration and hash, then every blob: read_resume_state); every data shard's header; the
+// log's name. Throws at the first bad input, naming it. world_size 0 (--check): the log's or the
+// checkpoint's, else 8. ranks: whose checkpoint state is checked (a run: its own; empty: all).
+static RunSetup check_run(const std::vector<std::string>& cli, int world_size, std::vector<int> ranks) {
+    RunSetup r;
+    std::vector<std::string> flags = cli;
+    const char* dp = getenv("DATA_PATH");
+    r.data_path = dp ? dp : ".";
+    if (r.data_path.size() > MAX_TEXT_OPTION ||
+        std::any_of(r.data_path.begin(), r.data_path.end(), [](char c) { return (unsigned char)c < 0x20 || c == 0x7f; }))
+        fail(strprintf("DATA_PATH must be at most %zu characters, without control characters", MAX_TEXT_OPTION));
+    std::shared_ptr<CheckpointHeader> header;
+    if (!cli.empty() && (cli[0] == "--rerun" || cli[0] == "--resume")) {
+        if (cli.size() < 2) fail("usage: ./train_gpt " + cli[0] + (cli[0] == "--rerun" ? " LOG" : " CHECKPOINT") + " [flags]");
+        const std::string& from = cli[1];
+        LoggedRun run;
+        if (cli[0] == "--rerun") {
+            const LogParts lp = split_log(from);
+            run = parse_logged_configuration(lp.configuration, from, lp.configuration_line);
+            if (lp.train_gpt != embedded_train_gpt() || lp.triton_kernels != embedded_triton_kernels())
+                fail(from + " ran other sources than this binary's (./train_gpt --diff-logs shows which): build its "
+                     "code to rerun it");
+            check_logged_configuration(lp.configuration, from, lp.configuration_line, run);
+            if (lp.gemm_plan.empty()) fail(from + " has no GEMM plan (the run ended before its warmup did)");
+            check_gemm_plan(lp.gemm_plan, from);
+            r.gemm_plan = lp.gemm_plan;
+        } else {
+            header = std::make_shared<CheckpointHeader>(read_checkpoint_header(from));
+            const std::map<std::string, std::string> texts = read_checkpoint_texts(from, *header);
+            const std::string where = from + " (its configuration)";
+            run = parse_logged_configuration(texts.at("config"), where, 1);
+            check_logged_configuration(texts.at("config"), where, 1, run);
+            if (hash_text(texts.at("config")) != header->config_hash)
+                fail("checkpoint " + from + ": its configuration does not hash to the header's config_hash (edited?)");
+            if (header->world_size != run.world_size)
+                fail(strprintf("checkpoint %s: the header says world size %d, its configuration %d", from.c_str(),
+                               header->world_size, run.world_size));
+            check_gemm_plan(texts.at("gemm_plan"), "checkpoint " + from);
+            r.gemm_plan = texts.at("gemm_plan");
+        }
+        if (world_size == 0) world_size = run.world_size;
+        if (run.world_size != world_size)
+            fail(strprintf("%s ran at world size %d; run it on %d ranks (this run has %d)", from.c_str(), run.world_size,
+                           run.world_size, world_size));
+        r.args = run.args;
+        if (!dp) r.data_path = run.data_path;
+        flags.erase(flags.begin(), flags.begin() + 2);
+    }
+    r.world_size = world_size = world_size ? world_size : 8;
+    parse_args(r.args, flags);
+    validate_args(r.args, world_size);
+    for (const std::string& files : {r.args.train_files, r.args.val_files}) {
+        std::vector<std::string> paths;
+        try {
+            paths = list_files(join_data_path(r.data_path, files));
+        } catch (const TrainerError& e) {
+            fail(std::string(e.what()) + " (DATA_PATH=" + r.data_path + "; the FineWeb shards: python3 "
+                 "data/cached_fineweb10B.py 8; or point --train_files / --val_files / DATA_PATH at your shards)");
+        }
+        for (const std::string& path : paths) {
+            int64_t tokens = 0;
+            close(open_data_shard(path, &tokens));
+        }
+    }
+    if (!r.args.run_id.empty() && access(log_path(r.args.run_id).c_str(), F_OK) == 0) fail(log_exists(r.args.run_id));
+    if (header) {
+        if (ranks.empty())
+            for (int rank = 0; rank < world_size; ++rank) ranks.push_back(rank);
+        r.resume = std::make_shared<ResumeState>(read_resume_state(cli[1], *header, r.args, world_size, ranks, r.data_path));
+    }
+    return r;
+}
+
+// `./train_gpt --check [flags | --rerun LOG | --resume CHECKPOINT]`: every check a run makes before
+// its GPU work (every rank's checkpoint state included), then the configuration as the log would
+// hold it. Needs no GPU and no MPI. The world size: the log's or checkpoint's, else
+// $TRAIN_GPT_WORLD_SIZE, else 8.
+static int check_only(const std::vector<std::string>& cli) {
+    int world_size = 0;
+    if (const char* ws = getenv("TRAIN_GPT_WORLD_SIZE")) {
+        world_size = (int)parse_i64("TRAIN_GPT_WORLD_SIZE", ws);
+        if (world_size < 1 || 8 % world_size != 0) fail("TRAIN_GPT_WORLD_SIZE must be 1, 2, 4 or 8");
+    }
+    RunSetup r = check_run(cli, cli.empty() || (cli[0] != "--rerun" && cli[0] != "--resume") ? world_size : 0, {});
+    if (world_size && r.world_size != world_size)
+        fail(strprintf("TRAIN_GPT_WORLD_SIZE=%d, but the run it continues had %d ranks", world_size, r.world_size));
+    std::string command_line = "./train_gpt";
+    for (const std::string& a : cli) command_line += " " + a;
+    fputs(configuration_text(r.args, r.world_size, r.data_path, command_line).c_str(), stdout);
+    printf("check: the configuration, the data's %s and %s shards%s are fine; a run on %d rank%s writes %s\n",
+           r.args.train_files.c_str(), r.args.val_files.c_str(),
+           r.resume ? strprintf(" and checkpoint %s (%lld steps done)", r.resume->path.c_str(),
+                                (long long)r.resume->run.steps_done).c_str()
+           : !r.gemm_plan.empty() ? " and the log's GEMM plan" : "",
+           r.world_size, r.world_size > 1 ? "s" : "",
+           r.args.run_id.empty() ? "logs/<a fresh uuid>.txt" : log_path(r.args.run_id).c_str());
+    return 0;
 }
 
 // -----------------------------------------------------------------------------
@@ -4351,10 +4789,11 @@ static std::string open_log(Hyperparameters& args, const Distributed& d, const s
     std::string command_line;
     for (int i = 0; i < argc; ++i) command_line += (i ? " " : "") + std::string(argv[i]);
     if (d.rank == 0) {
-        mkdir("logs", 0755);
-        std::string logfile = "logs/" + args.run_id + ".txt";
-        g_logfile = fopen(logfile.c_str(), "w");
-        if (!g_logfile) fail(strprintf("cannot write %s: %s", logfile.c_str(), strerror(errno)));
+        if (mkdir("logs", 0755) != 0 && errno != EEXIST) fail(strprintf("cannot make logs/: %s", strerror(errno)));
+        const std::string logfile = log_path(args.run_id);
+        const int fd = open(logfile.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);  // never over a log
+        if (fd < 0 && errno == EEXIST) fail(log_exists(args.run_id));
+        if (fd < 0 || !(g_logfile = fdopen(fd, "w"))) fail(strprintf("cannot write %s: %s", logfile.c_str(), strerror(errno)));
         printf("%s\n", logfile.c_str());
     }
     print0(source_block() + LOG_RULE);
@@ -4363,6 +4802,7 @@ static std::string open_log(Hyperparameters& args, const Distributed& d, const s
     print0(configuration);
     print0(run_command("nvidia-smi 2>&1"));
     print0(LOG_RULE);
+    if (!g_log_error.empty()) fail(g_log_error);
     // the block's lines, as a checkpoint keeps them
     const std::string begin = "# configuration\n", end = "# end configuration\n";
     return configuration.substr(begin.size(), configuration.size() - begin.size() - end.size());
@@ -4396,69 +4836,36 @@ static int run_tool(const std::vector<std::string>& cli) {
         return 0;
     }
     if (!cli.empty() && cli[0] == "--diff-logs") {
-        if (cli.size() != 3) fail("usage: ./train_gpt --diff-logs A.txt B.txt");
         try {
+            if (cli.size() != 3) fail("usage: ./train_gpt --diff-logs A.txt B.txt");
             return diff_logs(cli[1], cli[2]);
         } catch (const TrainerError& e) {
             fprintf(stderr, "error: %s\n", e.what());
             return 2;
         }
     }
+    if (!cli.empty() && cli[0] == "--check") {
+        if (!print_rank) return 0;
+        try {
+            return check_only(std::vector<std::string>(cli.begin() + 1, cli.end()));
+        } catch (const TrainerError& e) {
+            fprintf(stderr, "error: %s\n", e.what());
+            return 1;
+        }
+    }
     return -1;
 }
 
-// The configuration: the flags, or a log's (--rerun LOG) or a checkpoint's (--resume PATH) with the
-// flags after it on top. Every rank checks it and the data; on an error rank 0 alone says why and
-// all ranks stop.
+// The configuration, checked on every rank before any GPU work (check_run); on an error rank 0
+// alone says why and all ranks stop with exit status 1. Then: is there a GPU?
 static RunSetup resolve_configuration(const std::vector<std::string>& cli, const Distributed& dist) {
     const int world_size = dist.world_size;
     RunSetup r;
     std::string setup_error;
     try {
-        std::vector<std::string> flags = cli;
-        const char* dp = getenv("DATA_PATH");
-        r.data_path = dp ? dp : ".";
-        if (!cli.empty() && (cli[0] == "--rerun" || cli[0] == "--resume")) {
-            if (cli.size() < 2) fail("usage: ./train_gpt " + cli[0] + (cli[0] == "--rerun" ? " LOG" : " CHECKPOINT") + " [flags]");
-            LoggedRun run;
-            if (cli[0] == "--rerun") {
-                const LogParts lp = split_log(cli[1]);
-                run = parse_logged_configuration(lp.configuration, cli[1], lp.configuration_line);
-                if (lp.train_gpt != embedded_train_gpt() || lp.triton_kernels != embedded_triton_kernels())
-                    fail(cli[1] + " ran other sources than this binary's (./train_gpt --diff-logs shows which): build its "
-                         "code to rerun it");
-                check_logged_configuration(lp.configuration, cli[1], lp.configuration_line, run);
-                if (lp.gemm_plan.empty()) fail(cli[1] + " has no GEMM plan (the run ended before its warmup did)");
-                r.gemm_plan = lp.gemm_plan;
-            } else {
-                r.resume_path = cli[1];
-                auto header = std::make_shared<CheckpointHeader>(read_checkpoint_header(r.resume_path));
-                r.resume_header = header;
-                std::map<std::string, std::string> texts = read_checkpoint_texts(r.resume_path, *header);
-                run = parse_logged_configuration(texts.at("config"), r.resume_path + " (its configuration)", 1);
-                r.gemm_plan = texts.at("gemm_plan");
-                if (header->world_size != world_size)
-                    fail(strprintf("%s was written at world size %d; run it on %d ranks", r.resume_path.c_str(),
-                                   header->world_size, header->world_size));
-                if (header->source_hash != hash_text(source_block()) && dist.rank == 0)
-                    printf("note: %s was written by other sources than this binary's\n", r.resume_path.c_str());
-            }
-            if (run.world_size != world_size)
-                fail(strprintf("%s ran at world size %d; this run has %d ranks", cli[1].c_str(), run.world_size, world_size));
-            r.args = run.args;
-            if (!dp) r.data_path = run.data_path;
-            flags.erase(flags.begin(), flags.begin() + 2);
-        }
-        parse_args(r.args, flags);
-        validate_args(r.args, world_size);
-        for (const std::string& files : {r.args.train_files, r.args.val_files}) {
-            try {
-                list_files(join_data_path(r.data_path, files));
-            } catch (const TrainerError& e) {
-                fail(std::string(e.what()) + " (DATA_PATH=" + r.data_path + "; the FineWeb shards: python3 "
-                     "data/cached_fineweb10B.py 8; or point --train_files / --val_files / DATA_PATH at your shards)");
-            }
-        }
+        r = check_run(cli, world_size, {dist.rank});
+        if (r.resume && r.resume->header.source_hash != hash_text(source_block()) && dist.rank == 0)
+            printf("note: %s was written by other sources than this binary's\n", r.resume->path.c_str());
         int gpus = 0;
         const cudaError_t e = cudaGetDeviceCount(&gpus);
         if (e != cudaSuccess || gpus == 0)
@@ -4479,12 +4886,6 @@ static RunSetup resolve_configuration(const std::vector<std::string>& cli, const
         exit(1);
     }
     return r;
-}
-
-// a plan's lines after its first, which names the machine it was made for
-static std::string plan_body(const std::string& plan) {
-    const size_t nl = plan.find('\n');
-    return nl == std::string::npos ? std::string() : plan.substr(nl + 1);
 }
 
 // A --rerun log's or a checkpoint's GEMM plan, on the machine it was made for (none given: tune)
@@ -4520,19 +4921,18 @@ static std::string settle_gemm_plan(Gemms& gemms, const std::string& given_plan,
 
 // The training loop's harness: the clock (stopped for validation and checkpoints), the step lines,
 // the profiler, checkpoints (every N steps, at the end, on SIGINT/SIGTERM) and --resume.
-RunHarness::RunHarness(const Hyperparameters& args, const RunSetup& setup, const std::string& configuration,
+RunHarness::RunHarness(const Hyperparameters& args, RunSetup& setup, const std::string& configuration,
                        const std::string& gemm_plan, ParamStore& params, NorMuonAndAdam& opt, TrainingManager& tm,
                        DistributedDataGenerator& loader, const Distributed& dist, cudaStream_t stream)
     : args_(args), params_(params), opt_(opt), tm_(tm), loader_(loader), dist_(dist), stream_(stream),
       profiler_(std::make_unique<LoopProfiler>()) {
     rs_.configuration = configuration, rs_.gemm_plan = gemm_plan;
-    if (!setup.resume_path.empty()) {
-        const RunState from = load_checkpoint(setup.resume_path, *setup.resume_header, params, opt, tm, loader, dist.rank,
-                                              dist.world_size);
-        rs_.steps_done = from.steps_done, rs_.training_time_ms = from.training_time_ms;
-        last_checkpoint_ = setup.resume_path;
-        print0(strprintf("resumed from %s: %lld steps done", setup.resume_path.c_str(), (long long)rs_.steps_done), true);
-        if (rs_.steps_done > args.num_iterations()) fail("the checkpoint is past the end of this schedule");
+    if (setup.resume) {  // read and checked before any GPU work
+        load_checkpoint(*setup.resume, params, opt, tm, loader, dist.rank);
+        rs_.steps_done = setup.resume->run.steps_done, rs_.training_time_ms = setup.resume->run.training_time_ms;
+        last_checkpoint_ = setup.resume->path;
+        print0(strprintf("resumed from %s: %lld steps done", last_checkpoint_.c_str(), (long long)rs_.steps_done), true);
+        setup.resume.reset();
     }
     signal(SIGINT, on_stop_signal);
     signal(SIGTERM, on_stop_signal);
@@ -4571,8 +4971,16 @@ void RunHarness::log_validation(int64_t step, double val_loss) {
 void RunHarness::checkpoint(int64_t steps_done) {
     stop_clock();
     rs_.steps_done = steps_done, rs_.training_time_ms = training_time_ms_;
-    last_checkpoint_ = save_checkpoint(args_, params_, opt_, tm_, loader_, rs_, dist_.rank, dist_.world_size);
-    print0("checkpoint " + last_checkpoint_, true);
+    try {
+        last_checkpoint_ = save_checkpoint(args_, params_, opt_, tm_, loader_, rs_, dist_.rank, dist_.world_size);
+        print0("checkpoint " + last_checkpoint_, true);
+    } catch (const TrainerError& e) {  // a full disk, say: the last good checkpoint stays what it was
+        const std::string msg = strprintf("checkpoint after step %lld failed: %s; %s", (long long)steps_done, e.what(),
+                                          last_checkpoint_.empty() ? "there is no earlier one"
+                                                                   : ("the last good one: " + last_checkpoint_).c_str());
+        print0(msg + (steps_done < args_.num_iterations() ? "; the run goes on" : ""), true);
+        if (steps_done == args_.num_iterations()) failure_ = msg;
+    }
     t0_ = std::chrono::steady_clock::now();
 }
 
@@ -4601,22 +5009,37 @@ void RunHarness::timed_step(int64_t step, const std::function<void()>& train_ste
     print0_console(line, strprintf("%s  %.2fM tok/s, ETA %s", line.c_str(),
                                    get_bs(args_, step) / std::max(step_ms, 1e-3) / 1e3,
                                    format_duration(per_step * (train_steps - step - 1) / 1e3).c_str()));
-    // every rank finishes this step; then a signal on any rank stops all, after a checkpoint
-    int stop = g_stop_signal, any_stop = 0;
+    // every rank finishes this step; then a signal on any rank, or a failed write to the log, stops
+    // all, after a checkpoint
+    constexpr int LOG_FAILED = 1 << 16;  // above every signal number
+    int stop = g_log_error.empty() ? (int)g_stop_signal : LOG_FAILED, any_stop = 0;
     MPI_CHECK(MPI_Allreduce(&stop, &any_stop, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
     if (any_stop || (args_.checkpoint_every > 0 && (step + 1) % args_.checkpoint_every == 0 && step + 1 < train_steps))
         checkpoint(step + 1);
     if (any_stop) {
-        print0(strprintf("stopped by %s after step %lld; continue with: ./train_gpt --resume %s", strsignal(any_stop),
-                         (long long)step + 1, last_checkpoint_.c_str()), true);
+        const std::string how = last_checkpoint_.empty() ? std::string("there is no checkpoint to continue from")
+                                                         : "continue with: ./train_gpt --resume " + last_checkpoint_;
+        if (any_stop == LOG_FAILED) {
+            failure_ = strprintf("logs/%s.txt: %s; stopped after step %lld; %s", args_.run_id.c_str(),
+                                 g_log_error.empty() ? "rank 0's log write failed" : g_log_error.c_str(),
+                                 (long long)step + 1, how.c_str());
+        } else {
+            print0(strprintf("stopped by %s after step %lld; %s", strsignal(any_stop), (long long)step + 1, how.c_str()), true);
+        }
         stopped_ = true;
     }
 }
 
-void RunHarness::finish() {
+int RunHarness::finish() {
     if (args_.profile_steps > 0) print0(profiler_->table(), true);
     print0(strprintf("peak memory in use: %.0f MiB (device total - free at its highest: CUDA context, NCCL and every "
                      "buffer; sampled after set-up, warmup, each validation and the end)", peak_mib()), true);
+    if (failure_.empty() && !g_log_error.empty())
+        failure_ = strprintf("logs/%s.txt: %s", args_.run_id.c_str(), g_log_error.c_str());
+    if (!failure_.empty() && dist_.rank == 0) fprintf(stderr, "error: %s\n", failure_.c_str());
+    int failed = !failure_.empty(), any_failed = 0;
+    MPI_CHECK(MPI_Allreduce(&failed, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
+    return any_failed ? 1 : 0;
 }
 
 #endif  // TRAIN_GPT_NO_MAIN
