@@ -4635,6 +4635,17 @@ static std::string plan_body(const std::string& plan) {
     return nl == std::string::npos ? std::string() : plan.substr(nl + 1);
 }
 
+// A logged configuration as a run would take it: its flags within their ranges (before anything is
+// computed from them), then every derived line what this trainer writes for them.
+static void check_logged_run(const std::string& block, const std::string& where, int first_line, LoggedRun& run) {
+    try {
+        validate_args(run.args, run.world_size);
+    } catch (const TrainerError& e) {
+        fail(where + ": " + e.what());
+    }
+    check_logged_configuration(block, where, first_line, run);
+}
+
 // A GEMM plan from a log or a checkpoint: its first line names the machine, every other line is
 // 'gemm SHAPE = ALGORITHM (note)' (whether the machine is this one is checked on the GPU)
 static void check_gemm_plan(const std::string& plan, const std::string& where) {
@@ -4670,7 +4681,7 @@ static RunSetup check_run(const std::vector<std::string>& cli, int world_size, s
             if (lp.train_gpt != embedded_train_gpt() || lp.triton_kernels != embedded_triton_kernels())
                 fail(from + " ran other sources than this binary's (./train_gpt --diff-logs shows which): build its "
                      "code to rerun it");
-            check_logged_configuration(lp.configuration, from, lp.configuration_line, run);
+            check_logged_run(lp.configuration, from, lp.configuration_line, run);
             if (lp.gemm_plan.empty()) fail(from + " has no GEMM plan (the run ended before its warmup did)");
             check_gemm_plan(lp.gemm_plan, from);
             r.gemm_plan = lp.gemm_plan;
@@ -4679,7 +4690,7 @@ static RunSetup check_run(const std::vector<std::string>& cli, int world_size, s
             const std::map<std::string, std::string> texts = read_checkpoint_texts(from, *header);
             const std::string where = from + " (its configuration)";
             run = parse_logged_configuration(texts.at("config"), where, 1);
-            check_logged_configuration(texts.at("config"), where, 1, run);
+            check_logged_run(texts.at("config"), where, 1, run);
             if (hash_text(texts.at("config")) != header->config_hash)
                 fail("checkpoint " + from + ": its configuration does not hash to the header's config_hash (edited?)");
             if (header->world_size != run.world_size)

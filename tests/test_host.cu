@@ -1169,6 +1169,214 @@ static void test_logging() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// hostile inputs: each refused by the trainer itself before any GPU work, in one line naming the
+// input and the rule, with exit status 1 (2 for --diff-logs), promptly (a FIFO, /dev/zero), and
+// without a log written. The same through --check, which needs no GPU. Checkpoints here are small
+// (the header, the configuration and the trainer state): what they break is refused before the
+// blobs' sizes are compared with the model's; tests/test_resume.sh breaks real ones on a GPU.
+
+static void test_hostile_inputs() {
+    if (g_binary.empty()) return;
+    const std::string dir = make_dir("hostile"), data = make_dir("hostile_data");
+    std::mt19937_64 rng(11);
+    write_shard(data + "/h_train_000001.bin", make_tokens(rng, 300000, 70, true));
+    write_shard(data + "/h_val_000000.bin", make_tokens(rng, 300000, 70, false));
+    Hyperparameters h;
+    h.train_files = data + "/h_train_*.bin", h.val_files = data + "/h_val_*.bin";
+    const std::string files = " --train_files '" + h.train_files + "' --val_files '" + h.val_files + "'";
+    auto logs_written = [&] { return access((dir + "/logs").c_str(), F_OK) == 0; };
+    // runs the binary in `dir`: the exit status and one "error: ..." line holding every needle
+    auto refused = [&](const std::string& what, const std::string& args, std::vector<std::string> needles, int want = 1,
+                       const std::string& env = "") {
+        for (const char* mode : {"", "--check "}) {
+            if (want == 2 && *mode) continue;  // --diff-logs is a command of its own
+            std::string out;
+            const auto t0 = std::chrono::steady_clock::now();
+            const int rc = run_shell("cd '" + dir + "' && " + env + " timeout 30 '" + g_binary + "' " + mode + args +
+                                     " 2>&1 </dev/null", &out);
+            const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            bool ok = rc == want && std::count(out.begin(), out.end(), '\n') == 1 && out.rfind("error: ", 0) == 0;
+            for (const std::string& n : needles) ok = ok && out.find(n) != std::string::npos;
+            CHECK(ok && !logs_written() && s < 20, "%s%s: exit %d after %.1f s (want %d, one line with %s; logs/ %s): %s",
+                  mode, what.c_str(), rc, s, want, needles.empty() ? "-" : needles[0].c_str(),
+                  logs_written() ? "written" : "absent", out.c_str());
+        }
+    };
+    // flags: ranges checked before any product of them is formed, integers read strictly
+    refused("huge sequence length", "--train_max_seq_len 2305843009213693952" + files, {"--train_max_seq_len must be in 1..1048576"});
+    refused("huge step count", "--num_scheduled_iterations 9223372036854775807" + files, {"--num_scheduled_iterations must be in"});
+    refused("huge extension", "--num_extension_iterations 1099511627777" + files, {"--num_extension_iterations must be in"});
+    refused("huge block size", "--block_size 4611686018427387904" + files, {"--block_size must be in"});
+    refused("huge YaRN alpha", "--yarn_alpha 9223372036854775806" + files, {"--yarn_alpha must be in"});
+    refused("huge window", "--ws_schedule 999999999999" + files, {"--ws_schedule must be in 1..8192"});
+    refused("shrinking window", "--ws_schedule 4000 --ws_final 3" + files, {"attention scale", "e^5"});
+    refused("negative seed", "--seed ' -1'" + files, {"--seed: ' -1' is not an unsigned integer"});
+    refused("plus sign", "--seed +5" + files, {"--seed: '+5'"});
+    refused("leading space", "--val_tokens ' 2097152'" + files, {"--val_tokens: ' 2097152' is not an integer"});
+    refused("hex", "--val_tokens 0x200000" + files, {"--val_tokens: '0x200000'"});
+    refused("nan", "--adam_lr nan" + files, {"--adam_lr: 'nan' is not a finite number"});
+    for (const char* id : {"..", ".", "...", ".hidden"}) refused(strprintf("run id %s", id), strprintf("--run_id %s", id) + files, {"must not start with '.'"});
+    refused("long run id", "--run_id " + std::string(200, 'a') + files, {"--run_id", "200 characters: at most 63"});
+    refused("run id with a slash", "--run_id a/b" + files, {"--run_id 'a/b' may hold only"});
+    refused("DATA_PATH with a newline", files, {"DATA_PATH"}, 1, "DATA_PATH=\"$(printf 'a\\nb')\"");
+    // data shards: every header before the GPU
+    write_shard(data + "/bad_magic_val.bin", make_tokens(rng, 1000, 70, false), 1234);
+    refused("shard magic", "--train_files '" + h.train_files + "' --val_files '" + data + "/bad_magic_val.bin'", {"magic number 1234"});
+    write_file(data + "/short_val.bin", "abc");
+    refused("short shard", "--train_files '" + h.train_files + "' --val_files '" + data + "/short_val.bin'", {"shorter than its 1024-byte header"});
+    mkfifo((data + "/fifo_val.bin").c_str(), 0644);
+    refused("FIFO shard", "--train_files '" + h.train_files + "' --val_files '" + data + "/fifo_val.bin'", {"not a regular file (a FIFO)"});
+
+    // logs: regular files under a size and a line cap, their configuration checked before it is used
+    const std::string src = read_file(g_src_dir + "/train_gpt.cu"), kern = read_file(g_src_dir + "/triton_kernels.cu");
+    auto block_of = [](const std::string& cfg) { return cfg.substr(16, cfg.size() - 16 - 20); };
+    const std::string plan = "gemm_plan_for = some GPU\ngemm 1x2x3 = " + std::string(128, '0') + " (note)\n";
+    auto log_with = [&](const std::string& name, const std::string& block, const std::string& gemm_plan) {
+        const std::string path = dir + "/" + name;
+        write_file(path, src + "\n\n" + SOURCE_RULE + "\n# triton_kernels.cu\n" + SOURCE_RULE + "\n\n" + kern + "\n" + LOG_RULE +
+                             "\nversions\n# configuration\n" + block + "# end configuration\nnvidia-smi\n" + LOG_RULE +
+                             "\n# gemm plan\n" + gemm_plan + "# end gemm plan\n");
+        return path;
+    };
+    const std::string good_block = block_of(configuration_text(h, 1, ".", "./train_gpt"));
+    auto edited = [](std::string b, const std::string& from, const std::string& to) {
+        const size_t at = b.find(from);
+        CHECK(at != std::string::npos, "'%s' in the configuration", from.c_str());
+        if (at != std::string::npos) b.replace(at, from.size(), to);
+        return b;
+    };
+    const std::string good_log = log_with("good.txt", good_block, plan);
+    {
+        std::string out;
+        const int rc = run_shell("cd '" + dir + "' && '" + g_binary + "' --check --rerun good.txt 2>&1", &out);
+        CHECK(rc == 0 && out.find("# configuration\n") != std::string::npos && out.find("step_plan[adam,tied] = ") != std::string::npos &&
+                  out.find("check: ") != std::string::npos && !logs_written(),
+              "--check --rerun of a good log (exit %d): %s", rc, out.substr(0, 2000).c_str());
+        const int rc2 = run_shell("cd '" + dir + "' && TRAIN_GPT_WORLD_SIZE=4 '" + g_binary + "' --check" + files + " 2>&1", &out);
+        CHECK(rc2 == 0 && out.find("world_size = 4\n") != std::string::npos && out.find("a run on 4 ranks") != std::string::npos,
+              "--check with flags at world size 4 (exit %d): %s", rc2, out.substr(0, 2000).c_str());
+    }
+    refused("rerun of a huge sequence length",
+            "--rerun " + log_with("seq.txt", edited(good_block, "train_max_seq_len = 2048", "train_max_seq_len = 2305843009213693952"), plan),
+            {"seq.txt", "--train_max_seq_len must be in"});
+    refused("rerun of a huge extension",
+            "--rerun " + log_with("ext.txt", edited(good_block, "num_extension_iterations = 40", "num_extension_iterations = 1099511627777"), plan),
+            {"ext.txt", "--num_extension_iterations must be in"});
+    refused("rerun of a cut world size",
+            "--rerun " + log_with("ws.txt", edited(good_block, "world_size = 1\n", "world_size = 4294967297\n"), plan),
+            {"ws.txt", "world_size 4294967297 is not 1, 2, 4 or 8"});
+    refused("rerun of an edited split step",
+            "--rerun " + log_with("split.txt", edited(good_block, "split_step = 1151", "split_step = 7"), plan),
+            {"split.txt", "split_step = 7", "edited log"});
+    refused("rerun of a bad GEMM plan", "--rerun " + log_with("plan.txt", good_block, "gemm_plan_for = x\ngemm 1x2 = zz (a)\n"),
+            {"plan.txt", "GEMM plan line 1"});
+    refused("rerun of /dev/zero", "--rerun /dev/zero", {"log /dev/zero is not a regular file (a device)"});
+    refused("rerun of a FIFO", "--rerun '" + data + "/fifo_val.bin'", {"is not a regular file (a FIFO)"});
+    refused("rerun of a folder", "--rerun '" + data + "'", {"is not a regular file (a folder)"});
+    write_file(dir + "/long_line.txt", std::string(2 << 20, 'x') + "\n");
+    refused("a 2 MiB line", "--rerun long_line.txt", {"long_line.txt: line 1 is longer than"});
+    write_file(dir + "/huge.txt", "");
+    CHECK(truncate((dir + "/huge.txt").c_str(), 300ll << 20) == 0, "a sparse 300 MB file");
+    refused("a 300 MB log", "--rerun huge.txt", {"huge.txt is 314572800 bytes, more than a log may have"});
+    refused("diff-logs of /dev/zero", "--diff-logs '" + good_log + "' /dev/zero", {"/dev/zero is not a regular file"}, 2);
+    refused("diff-logs of a FIFO", "--diff-logs '" + data + "/fifo_val.bin' '" + good_log + "'", {"(a FIFO)"}, 2);
+    refused("diff-logs of one log", "--diff-logs '" + good_log + "'", {"usage: ./train_gpt --diff-logs"}, 2);
+    // an existing log is never overwritten
+    mkdir((dir + "/logs").c_str(), 0755);
+    write_file(dir + "/logs/taken.txt", "an earlier run's log\n");
+    {
+        std::string out;
+        const int rc = run_shell("cd '" + dir + "' && '" + g_binary + "' --run_id taken" + files + " 2>&1 </dev/null", &out);
+        CHECK(rc == 1 && out.find("logs/taken.txt exists: a run never overwrites a log") != std::string::npos &&
+                  read_file(dir + "/logs/taken.txt") == "an earlier run's log\n",
+              "a run id whose log exists (exit %d): %s", rc, out.c_str());
+    }
+    run_shell("rm -rf '" + dir + "/logs'");
+
+    // checkpoints: the header, then the configuration (its hash, the checks a log's gets), all before the GPU
+    auto checkpoint = [&](const std::string& name, const std::string& block, const std::string& header_edit_from = "",
+                          const std::string& header_edit_to = "", const std::string& hash = "") {
+        const std::string path = dir + "/" + name;
+        write_checkpoint_file(path, 1, 12, hash.empty() ? hash_text(block) : hash, hash_text(source_block()),
+                              {{"config", block}, {"gemm_plan", plan}, {"trainer", "steps_done 12\ntraining_time_ms 0x1p+10\n"}});
+        if (!header_edit_from.empty()) {
+            std::string text = read_file(path);
+            const size_t at = text.find(header_edit_from);
+            CHECK(at != std::string::npos && at < 1000, "'%s' in the header", header_edit_from.c_str());
+            if (at != std::string::npos) write_file(path, text.replace(at, header_edit_from.size(), header_edit_to));
+        }
+        return path;
+    };
+    refused("checkpoint /dev/zero", "--resume /dev/zero", {"checkpoint /dev/zero is not a regular file (a device)"});
+    refused("checkpoint world size 0", "--resume " + checkpoint("ws0.bin", good_block, "world_size 1\n", "world_size 0\n"),
+            {"ws0.bin", "world size 0 (a run has 1, 2, 4 or 8 ranks)"});
+    refused("checkpoint world size 2^32+1", "--resume " + checkpoint("ws32.bin", good_block, "world_size 1\n", "world_size 4294967297\n"),
+            {"ws32.bin", "'4294967297' is not a size up to 8"});
+    refused("checkpoint field twice", "--resume " + checkpoint("twice.bin", good_block, "step 12\n", "step 12\nstep 12\n"),
+            {"twice.bin", "'step' appears twice"});
+    refused("checkpoint config hash", "--resume " + checkpoint("hash.bin", good_block, "", "", "0123456789abcdef"),
+            {"hash.bin", "config_hash"});
+    refused("checkpoint edited split step", "--resume " + checkpoint("split.bin", edited(good_block, "split_step = 1151", "split_step = 7")),
+            {"split.bin", "split_step = 7", "edited log"});
+    refused("checkpoint cut world size",
+            "--resume " + checkpoint("cut.bin", edited(good_block, "world_size = 1\n", "world_size = 4294967297\n")),
+            {"cut.bin", "world_size 4294967297 is not 1, 2, 4 or 8"});
+    refused("checkpoint of a huge sequence length",
+            "--resume " + checkpoint("seq.bin", edited(good_block, "train_max_seq_len = 2048", "train_max_seq_len = 2305843009213693952")),
+            {"seq.bin", "--train_max_seq_len must be in"});
+    refused("checkpoint of another model", "--resume " + checkpoint("small.bin", good_block), {"small.bin", "lacks 'optimizer' (other model, world size or format?)"});
+    write_file(dir + "/big.bin", "");
+    CHECK(truncate((dir + "/big.bin").c_str(), 70ll << 30) == 0, "a sparse 70 GiB file");
+    refused("a 70 GiB checkpoint", "--resume big.bin", {"more than a checkpoint may have"});
+}
+
+// the state texts of a checkpoint, bounded by what the configuration allocates
+static void test_checkpoint_states() {
+    Hyperparameters a;
+    const std::string trainer = "steps_done 12\ntraining_time_ms 0x1.8p+3\n";
+    CHECK(parse_trainer_state(trainer, "T").steps_done == 12 && parse_trainer_state(trainer, "T").training_time_ms == 12.0,
+          "trainer state read back");
+    expect_error("trainer: negative clock", [&] { parse_trainer_state("steps_done 12\ntraining_time_ms -0x1p+3\n", "T"); }, {"T: the trainer blob"});
+    expect_error("trainer: junk", [&] { parse_trainer_state("steps_done 12 13\ntraining_time_ms 0\n", "T"); }, {"T: the trainer blob"});
+    std::string sched = "windows 1 3\nbatch_size 131072\nattn_scale 0x1.999999999999ap-4\nyarn";
+    for (int i = 0; i < HEAD_DIM; ++i) sched += " 0x1p-1";
+    sched += "\nmtp 0x1p+0 0x1p-1\n";
+    const ScheduleState st = parse_schedule_state(sched, a);
+    CHECK(st.ws_long == 3 && st.batch_size == 131072 && st.mtp_weights.size() == 2 && st.yarn.angular_freq.size() == HEAD_DIM,
+          "schedule state read back");
+    auto sched_with = [&](const std::string& from, const std::string& to) {
+        std::string t = sched;
+        return t.replace(t.find(from), from.size(), to);
+    };
+    expect_error("schedule: batch size of no phase", [&] { parse_schedule_state(sched_with("131072", "1048576"), a); },
+                 {"batch size 1048576 is not one of this configuration's"});
+    expect_error("schedule: huge window", [&] { parse_schedule_state(sched_with("windows 1 3", "windows 1 99999999999"), a); }, {"windows"});
+    expect_error("schedule: negative scale", [&] { parse_schedule_state(sched_with("attn_scale 0x1", "attn_scale -0x1"), a); }, {"not positive"});
+    expect_error("schedule: nan", [&] { parse_schedule_state(sched_with("mtp 0x1p+0", "mtp nan"), a); }, {"not a finite number"});
+    const std::vector<ParamConfig> cfgs = build_param_configs(a, model_params(2), 2, 0);
+    std::string opt = "split 1\n";
+    for (const ParamConfig& c : cfgs)
+        if (c.optim == Optim::Adam) opt += "adam_steps " + c.label + " 6\n";
+    CHECK(parse_optimizer_state(opt, cfgs, 12).split && parse_optimizer_state(opt, cfgs, 12).adam_steps.at("embed") == 6,
+          "optimizer state read back");
+    expect_error("optimizer: more steps than done", [&] { parse_optimizer_state(opt, cfgs, 5); }, {"has taken 6 steps of 5"});
+    expect_error("optimizer: twice", [&] { parse_optimizer_state(opt + "adam_steps embed 6\n", cfgs, 12); }, {"'embed' appears twice"});
+    expect_error("optimizer: a NorMuon bank", [&] { parse_optimizer_state(opt + "adam_steps mlp 6\n", cfgs, 12); }, {"'mlp' is not an Adam parameter"});
+    expect_error("optimizer: missing", [&] { parse_optimizer_state("split 0\n", cfgs, 12); }, {"Adam step counts"});
+    const std::vector<std::string> files = {"d/a.bin", "d/b.bin"};
+    const DataPosition p = parse_data_position("file 1 d/b.bin\nbos 10\nbatch_iter 3\nquick -1 5\nbatch 16384 2048\n");
+    check_data_position(p, files, 100, 2, 8192);
+    ++g_passed;
+    expect_error("position: batch past the buffers", [&] {
+        check_data_position(parse_data_position("file 1 d/b.bin\nbos 10\nbatch_iter 3\nquick -1 5\nbatch 1048576 2048\n"), files, 100, 1, 49152);
+    }, {"a batch of 1048576 tokens over 1 ranks is not one this run's buffers hold"});
+    expect_error("position: BOS past the shard", [&] { check_data_position(p, files, 9, 2, 8192); }, {"BOS 10", "out of range"});
+    expect_error("position: other file", [&] { check_data_position(p, {"d/a.bin"}, 100, 2, 8192); }, {"not in this run's file list"});
+    expect_error("position: extra line", [&] { parse_data_position("file 1 d/b.bin\nbos 10\nbatch_iter 3\nquick -1 5\nbatch 16384 2048\nx\n"); }, {"not 5 lines"});
+    expect_error("position: negative", [&] { parse_data_position("file 1 d/b.bin\nbos -10\nbatch_iter 3\nquick -1 5\nbatch 16384 2048\n"); }, {"negative"});
+}
+
+// ---------------------------------------------------------------------------------------------
 // benchmark: time to build one batch (not a test: prints numbers only)
 
 // "synthetic": three FineWeb-size shards (100M tokens each) written to a temporary folder
@@ -1244,7 +1452,11 @@ int main(int argc, char** argv) {
             run_shell("rm -rf '" + g_tmp + "'");
             return rc;
         }
-        if (cli[i] == "--binary") g_binary = cli[i + 1];
+        if (cli[i] == "--binary") {  // absolute: some tests run it from other folders
+            char* real = realpath(cli[i + 1].c_str(), nullptr);
+            g_binary = real ? real : cli[i + 1];
+            free(real);
+        }
         if (cli[i] == "--python") g_python = cli[i + 1];
     }
     char tmpl[] = "/tmp/train_gpt_test_XXXXXX";
@@ -1267,6 +1479,8 @@ int main(int argc, char** argv) {
                                                          {"checkpoint", test_checkpoint_format},
                                                          {"rerun", test_logged_configuration},
                                                          {"position", test_data_position},
+                                                         {"states", test_checkpoint_states},
+                                                         {"hostile", test_hostile_inputs},
                                                          {"logging", test_logging}};
     for (auto [name, fn] : groups) {
         int p = g_passed, f = g_failed;
