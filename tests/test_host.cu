@@ -1166,6 +1166,20 @@ static void test_logging() {
         CHECK(rc != 0 && out.find("--val_tokens needs a value") != std::string::npos, "trainer rejects a bad flag: %s", out.c_str());
     }
     CHECK(make_uuid4().size() == 36 && make_uuid4()[14] == '4' && make_uuid4() != make_uuid4(), "uuid4");
+    // a write to the log that fails (a full disk) is kept, for the run to stop on
+    g_logfile = fopen("/dev/full", "w");
+    print0("a step line");
+    CHECK(g_log_error.find("No space left on device") != std::string::npos, "a failed log write: '%s'", g_log_error.c_str());
+    fclose(g_logfile), g_logfile = nullptr, g_log_error.clear();
+    if (!g_binary.empty()) {  // --diff-logs removes its temporary files when diff cannot run
+        std::string before, after, out;
+        run_shell("ls -d /tmp/train_gpt_diff_* 2>/dev/null", &before);
+        const int rc = run_shell("PATH=/nonexistent '" + g_binary + "' --diff-logs '" + la + "' '" + lb + "' 2>&1", &out);
+        run_shell("ls -d /tmp/train_gpt_diff_* 2>/dev/null", &after);
+        CHECK(rc == 2 && out.find("cannot run diff") != std::string::npos && before == after,
+              "--diff-logs without diff: exit %d, %s, temporary folders before '%s' after '%s'", rc, out.c_str(),
+              before.c_str(), after.c_str());
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1440,9 +1454,32 @@ static int dump_loader(const std::vector<std::string>& a) {
     return 0;
 }
 
+// `--rewrite-checkpoint IN OUT NAME TEXT`: IN with blob NAME's bytes replaced by TEXT and a checksum
+// that matches (anyone can recompute it), for tests/test_resume.sh's crafted checkpoints
+static int rewrite_checkpoint(const std::vector<std::string>& a) {
+    const CheckpointHeader h = read_checkpoint_header(a[0]);
+    std::map<std::string, BlobSpec> any;
+    for (const auto& [name, bytes] : h.blobs) any[name] = {bytes, false};
+    std::map<std::string, std::string> blobs = read_checkpoint_blobs(a[0], h, any, {}, true);
+    if (!blobs.count(a[2])) fail(a[0] + " has no blob " + a[2]);
+    blobs[a[2]] = a[3];
+    std::vector<std::pair<std::string, std::string>> ordered;
+    for (const auto& [name, bytes] : h.blobs) ordered.push_back({name, std::move(blobs[name])});
+    write_checkpoint_file(a[1], h.world_size, h.step, h.config_hash, h.source_hash, ordered);
+    return 0;
+}
+
 int main(int argc, char** argv) {
     std::vector<std::string> cli(argv + 1, argv + argc);
     if (cli.size() >= 5 && cli[0] == "--dump-loader") return dump_loader(std::vector<std::string>(cli.begin() + 1, cli.end()));
+    if (cli.size() == 5 && cli[0] == "--rewrite-checkpoint") {
+        try {
+            return rewrite_checkpoint(std::vector<std::string>(cli.begin() + 1, cli.end()));
+        } catch (const TrainerError& e) {
+            fprintf(stderr, "error: %s\n", e.what());
+            return 1;
+        }
+    }
     for (size_t i = 0; i + 1 < cli.size(); ++i) {
         if (cli[i] == "--bench-data") {
             char tmpl[] = "/tmp/train_gpt_bench_XXXXXX";

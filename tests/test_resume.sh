@@ -72,6 +72,52 @@ head -c 100000 logs/${id}_a/state_step000007.bin > "$out/trunc.bin"
 ./train_gpt --resume "$out/trunc.bin" > "$out/g" 2>&1
 check "--resume of a truncated checkpoint: refused" grep -q "truncated" "$out/g"
 
+# inputs checked through before any GPU work: a checkpoint whose data position asks for more than
+# the run's buffers hold (its checksum recomputed, as anyone can) and one with a corrupt byte are
+# refused with no log written; --check takes the good ones
+ckpt7=logs/${id}_a/state_step000007.bin
+./train_gpt --check --resume $ckpt7 > "$out/h" 2>&1
+check "--check --resume of a good checkpoint: exit 0" [ $? = 0 ]
+./train_gpt --check --rerun logs/${id}_a.txt > "$out/i" 2>&1
+check "--check --rerun of a good log: exit 0" [ $? = 0 ]
+pos=$(python3 - $ckpt7 <<'PY'
+import sys  # rank 0's data position, its batch past what the run's buffers hold
+f, blobs = open(sys.argv[1], "rb"), []
+while (line := f.readline().decode().rstrip("\n")) != "end":
+    if line.startswith("blob "): blobs.append(line.split(" ")[1:])
+for name, n in blobs:
+    data = f.read(int(n))
+    if name == "rank0/data": print("\n".join(data.decode().splitlines()[:-1] + ["batch 1048576 2048"]))
+PY
+)
+./tests/test_host --rewrite-checkpoint $ckpt7 "$out/pos.bin" rank0/data "$pos"$'\n'
+trainer --resume "$out/pos.bin" --run_id ${id}_h > "$out/j" 2>&1
+rc=$?
+check "--resume of a data position past the buffers: refused before a log" \
+    eval '[ $rc = 1 ] && grep -q "is not one this run.s buffers hold" "$out/j" && [ ! -e logs/${id}_h.txt ]'
+cp $ckpt7 "$out/flip.bin"
+python3 -c "import sys; f = open(sys.argv[1], 'r+b'); f.seek(-12345, 2); b = f.read(1); f.seek(-12345, 2); f.write(bytes([b[0] ^ 1]))" "$out/flip.bin"
+trainer --resume "$out/flip.bin" --run_id ${id}_i > "$out/k" 2>&1
+rc=$?
+check "--resume of a corrupt checkpoint: refused before a log" \
+    eval '[ $rc = 1 ] && grep -q "checksum mismatch" "$out/k" && [ ! -e logs/${id}_i.txt ]'
+
+# a full disk, as a file size limit (SIGXFSZ ignored: writes fail with EFBIG; one rank, as NCCL's
+# shared memory files would hit the limit too): every checkpoint fails and the run goes on to its
+# end, then says so and exits 1; a log that cannot be written stops the run with exit 1
+if [ "$ranks" = 1 ]; then
+    (ulimit -f 65536; trap '' XFSZ; trainer "${flags[@]}" --run_id ${id}_j) > "$out/l" 2>&1
+    rc=$?
+    check "checkpoints that fail: the run goes on to its end, then exits 1" \
+        eval '[ $rc = 1 ] && grep -q "^checkpoint after step 7 failed: .*there is no earlier one; the run goes on" "$out/l" &&
+              grep -q "^step:21/21 val_loss" logs/${id}_j.txt'
+    check "checkpoints that fail: no temporary file left" eval '[ -z "$(ls logs/${id}_j/ 2>/dev/null)" ]'
+    limit=$(( ($(stat -c %s logs/${id}_a.txt) - 2000) / 1024 ))
+    (ulimit -f $limit; trap '' XFSZ; trainer "${flags[@]}" --checkpoint_every 0 --run_id ${id}_k) > "$out/m" 2>&1
+    rc=$?
+    check "a log that cannot be written: exit 1 and why" eval '[ $rc = 1 ] && grep -q "writing the log failed: File too large" "$out/m"'
+fi
+
 [ "$failed" = 0 ] || for f in "$out"/?; do echo "--- $f"; tail -5 "$f"; done
 echo "$passed passed, $failed failed"
 [ "$failed" = 0 ]
