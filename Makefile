@@ -41,11 +41,21 @@ train_gpt: $(SOURCES)
 tests/test_host: tests/test_host.cu tests/testing.h $(SOURCES)
 	$(NVCC) $(NVCCFLAGS) -o $@ tests/test_host.cu $(LDLIBS) $(QUIET_C7519)
 
+# The parsers' fuzz test, with AddressSanitizer and UBSan where the toolchain has them (else built
+# plain, saying so). It runs no device code, so its kernels are compiled to PTX only (no ptxas).
+FUZZ_SANITIZE = $(call nvcc_flags,-fsanitize=address -fsanitize=undefined -fno-sanitize-recover=all -fno-omit-frame-pointer)
+tests/fuzz_host: ARCH = -gencode arch=compute_90a,code=compute_90a
+tests/fuzz_host: tests/fuzz_host.cu tests/testing.h $(SOURCES)
+	$(NVCC) $(NVCCFLAGS) $(FUZZ_SANITIZE) -o $@ tests/fuzz_host.cu $(LDLIBS) $(QUIET_C7519) || { \
+	  echo "tests/fuzz_host: no sanitizer build here; building it without sanitizers"; \
+	  $(NVCC) $(NVCCFLAGS) -o $@ tests/fuzz_host.cu $(LDLIBS) $(QUIET_C7519); }
+
 tests/test_gpu: tests/test_gpu.cu tests/testing.h $(SOURCES)
 	$(NVCC) $(NVCCFLAGS) -o $@ tests/test_gpu.cu $(LDLIBS) $(QUIET_C7519)
 
-test: train_gpt tests/test_host
+test: train_gpt tests/test_host tests/fuzz_host
 	./tests/test_host --binary ./train_gpt --python $(PYTHON)
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ./tests/fuzz_host
 	$(PYTHON) records/test_records.py
 	bash tests/test_run_sh.sh
 
@@ -54,7 +64,7 @@ tests/test_distributed: tests/test_distributed.cu tests/testing.h $(SOURCES)
 
 # The multi-rank tests run their ranks on a GPU each where there are enough GPUs, else sharing the
 # GPUs (TRAIN_GPT_SHARE_GPUS=1, NCCL over sockets: slow, a correctness test; tests/ranks.sh).
-test-gpu: tests/test_gpu tests/test_distributed train_gpt
+test-gpu: tests/test_gpu tests/test_distributed tests/test_host train_gpt
 	./tests/test_gpu
 	bash tests/test_resume.sh
 	RANKS=2 bash tests/test_resume.sh
@@ -92,4 +102,4 @@ bench-loop: train_gpt
 	else echo "bench-loop: no data at $(BENCH_DATA) / $(BENCH_VAL): skipped"; fi
 
 clean:
-	rm -f train_gpt tests/test_host tests/test_gpu tests/test_distributed tests/bench_gpu tests/libattention.so
+	rm -f train_gpt tests/test_host tests/fuzz_host tests/test_gpu tests/test_distributed tests/bench_gpu tests/libattention.so
