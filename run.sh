@@ -11,6 +11,8 @@ usage() {
 usage: [NGPU=N] [DATA_PATH=DIR] ./run.sh [--flag value ...]
        [NGPU=N] ./run.sh --rerun LOG [--flag value ...]      a logged run again, bit for bit
        [NGPU=N] ./run.sh --resume CHECKPOINT [--flag ...]    continue a stopped run
+       [NGPU=N] ./run.sh --check [--flag ... | --rerun LOG | --resume CHECKPOINT]   every input checked,
+                                                   the configuration printed; no GPU (NGPU: the world size)
        ./run.sh --help | --print-source | --diff-logs A.txt B.txt   (the trainer's, no mpirun)
 
 Checks the GPUs, that the train and validation files exist and the flags' names, then builds
@@ -55,6 +57,11 @@ case "${1:-}" in
         ;;
     --print-source | --diff-logs)
         build
+        exec ./train_gpt "$@"
+        ;;
+    --check)  # the world size of the run it checks: NGPU where given (else the log's, or 8)
+        build
+        if [ -n "${NGPU:-}" ]; then export TRAIN_GPT_WORLD_SIZE=$NGPU; fi
         exec ./train_gpt "$@"
         ;;
 esac

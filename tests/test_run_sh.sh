@@ -99,6 +99,14 @@ check "--print-source: the sources on stdout" [ -s "$tmp/src" ]
 check "--print-source: nothing of the build on stdout" not grep -q '^run.sh:' "$tmp/src"
 check "--print-source starts no mpirun" not_launched
 
+# --- --check: the trainer's, no GPU and no mpirun; NGPU is the world size it checks
+run NGPU=2 ./run.sh --check --train_files "$tmp/abs/train_*.bin" --val_files "$tmp/abs/val_*.bin"
+check "--check runs the trainer's check (refusing empty shards, exit 1)" \
+    eval '[ "$rc" = 1 ] && has "shorter than its 1024-byte header"'
+check "--check starts no mpirun" not_launched
+run NGPU=3 ./run.sh --check
+check "--check with NGPU=3: refused" eval '[ "$rc" = 1 ] && has "TRAIN_GPT_WORLD_SIZE must be 1, 2, 4 or 8"'
+
 # --- --help: run.sh's usage once, then the trainer's flags; no mpirun
 run ./run.sh --help
 check "--help exits 0" [ "$rc" = 0 ]
