@@ -148,10 +148,11 @@ struct Hyperparameters {
 };
 
 // The ranges of the flags the trainer can run (validate_args checks them before anything runs). A
-// rank's micro-batch stays within 2^20 tokens (its activations are indexed with 32-bit offsets);
-// step counts within 10^6 (about 500x the record's; a log of that many steps is ~70 MB); windows
-// and blocks so that a window in tokens fits in an int.
-constexpr int64_t MAX_RANK_TOKENS = 1 << 20;
+// rank's micro-batch stays within 2^19 tokens (its activations, up to 4 x 768 wide in the MLP, are
+// indexed with 32-bit offsets; twice the record's validation micro-batch; memory is checked as it is
+// allocated); step counts within 10^6 (about 500x the record's; a log of that many steps is ~70
+// MB); windows and blocks so that a window in tokens fits in an int.
+constexpr int64_t MAX_RANK_TOKENS = 1 << 19;
 constexpr int64_t MAX_STEPS = 1000000;
 constexpr int64_t MAX_BLOCK_SIZE = 8192, MAX_WINDOW_BLOCKS = 8192, MAX_WINDOW_TOKENS = 1 << 24;
 constexpr int64_t MAX_YARN_ROTATIONS = 1 << 20;

@@ -1217,7 +1217,7 @@ static void test_hostile_inputs() {
         }
     };
     // flags: ranges checked before any product of them is formed, integers read strictly
-    refused("huge sequence length", "--train_max_seq_len 2305843009213693952" + files, {"--train_max_seq_len must be in 1..1048576"});
+    refused("huge sequence length", "--train_max_seq_len 2305843009213693952" + files, {"--train_max_seq_len must be in 1..524288"});
     refused("huge step count", "--num_scheduled_iterations 9223372036854775807" + files, {"--num_scheduled_iterations must be in"});
     refused("huge extension", "--num_extension_iterations 1099511627777" + files, {"--num_extension_iterations must be in"});
     refused("huge block size", "--block_size 4611686018427387904" + files, {"--block_size must be in"});
