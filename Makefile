@@ -98,7 +98,7 @@ bench-loop: train_gpt
 	@if ls $(BENCH_DATA) >/dev/null 2>&1 && ls $(BENCH_VAL) >/dev/null 2>&1; then \
 	  ./train_gpt --train_files '$(BENCH_DATA)' --val_files '$(BENCH_VAL)' --num_scheduled_iterations 150 \
 	    --num_extension_iterations 10 --val_loss_every 0 --val_tokens 2097152 --cycle_data --profile_steps 2 \
-	    --run_id bench_loop $(BENCH_FLAGS) | grep -v '^step:'; \
+	    --run_id bench_loop_$$(date +%Y%m%d_%H%M%S) $(BENCH_FLAGS) | grep -v '^step:'; \
 	else echo "bench-loop: no data at $(BENCH_DATA) / $(BENCH_VAL): skipped"; fi
 
 clean:

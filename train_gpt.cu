@@ -30,6 +30,7 @@
 #include <csignal>
 #include <cstring>
 #include <deque>
+#include <dlfcn.h>
 #include <exception>
 #include <fcntl.h>
 #include <functional>
@@ -37,6 +38,7 @@
 #include <map>
 #include <tuple>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <set>
 #include <spawn.h>
@@ -3303,6 +3305,82 @@ static const char* const part_names[] = {"host, data and uploads", "bf16 GEMMs (
 static const char* const part_short[] = {"host", "gemm", "head", "loss", "attention_fwd", "attention_bwd", "elementwise",
                                          "embed_bwd", "optimizer"};
 
+// The GPU's SM clock and power while training steps run, sampled every 10 ms by a thread of its own
+// (NVML, loaded at run time: without the driver's library there is nothing to print). An H200 runs
+// this loop at its power limit, 700 W, at about 1.45 GHz rather than its 1.98 GHz boost: in the loop a
+// GEMM costs what its energy costs, and the floors below (at the boost clock's 790 TFLOP/s) are out of
+// reach there.
+class GpuSampler {
+   public:
+    struct Totals {
+        double mhz = 0, watts = 0;
+        int64_t samples = 0, capped = 0;  // capped: the clock held back by the power limit (NVML's SW power cap)
+    };
+    GpuSampler() {
+        lib_ = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+        if (!lib_) return;
+        auto fn = [&](auto& f, const char* name) { f = reinterpret_cast<std::decay_t<decltype(f)>>(dlsym(lib_, name)); };
+        int (*init)() = nullptr;
+        int (*by_bus)(const char*, void**) = nullptr;
+        int (*max_clock)(void*, int, unsigned*) = nullptr;
+        int (*limit)(void*, unsigned*) = nullptr;
+        fn(init, "nvmlInit_v2"), fn(shutdown_, "nvmlShutdown"), fn(by_bus, "nvmlDeviceGetHandleByPciBusId_v2");
+        fn(clock_, "nvmlDeviceGetClockInfo"), fn(power_, "nvmlDeviceGetPowerUsage"), fn(max_clock, "nvmlDeviceGetMaxClockInfo");
+        fn(limit, "nvmlDeviceGetEnforcedPowerLimit"), fn(reasons_, "nvmlDeviceGetCurrentClocksEventReasons");
+        if (!reasons_) fn(reasons_, "nvmlDeviceGetCurrentClocksThrottleReasons");
+        int dev = 0;
+        char bus[32];
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof bus, dev));
+        if (!init || !shutdown_ || !by_bus || !clock_ || !power_ || !max_clock || !limit || !reasons_ || init() != 0) return;
+        up_ = true;
+        if (by_bus(bus, &dev_) != 0 || max_clock(dev_, NVML_CLOCK_SM, &max_mhz_) != 0 || limit(dev_, &limit_mw_) != 0) return;
+        thread_ = std::thread([this] { run(); });
+    }
+    ~GpuSampler() {
+        if (thread_.joinable()) quit_ = true, thread_.join();
+        if (up_) shutdown_();
+        if (lib_) dlclose(lib_);
+    }
+    bool working() const { return thread_.joinable(); }
+    unsigned max_mhz() const { return max_mhz_; }
+    double limit_watts() const { return limit_mw_ / 1e3; }
+    void on(bool v) { on_ = v; }
+    Totals take() {  // the samples since the last take
+        std::lock_guard<std::mutex> g(mu_);
+        Totals t = pending_;
+        pending_ = {};
+        return t;
+    }
+
+   private:
+    static constexpr int NVML_CLOCK_SM = 1;
+    static constexpr unsigned long long SW_POWER_CAP = 0x4;
+    void run() {
+        while (!quit_) {
+            unsigned mhz = 0, mw = 0;
+            unsigned long long why = 0;
+            if (on_ && clock_(dev_, NVML_CLOCK_SM, &mhz) == 0 && power_(dev_, &mw) == 0 && reasons_(dev_, &why) == 0) {
+                std::lock_guard<std::mutex> g(mu_);
+                pending_.mhz += mhz, pending_.watts += mw / 1e3, pending_.samples += 1, pending_.capped += (why & SW_POWER_CAP) != 0;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+    }
+    void* lib_ = nullptr;
+    void* dev_ = nullptr;
+    bool up_ = false;
+    int (*shutdown_)() = nullptr;
+    int (*clock_)(void*, int, unsigned*) = nullptr;
+    int (*power_)(void*, unsigned*) = nullptr;
+    int (*reasons_)(void*, unsigned long long*) = nullptr;
+    unsigned max_mhz_ = 0, limit_mw_ = 0;
+    std::atomic<bool> on_{false}, quit_{false};
+    std::mutex mu_;
+    Totals pending_;
+    std::thread thread_;
+};
+
 class LoopProfiler {
    public:
     ~LoopProfiler() {
@@ -3358,6 +3436,18 @@ class LoopProfiler {
         Unprofiled& u = unprofiled_[phase];
         u.ms += ms, u.steps += 1;
     }
+    // the GPU's clock and power from here to the next samples_of (the sampler starts on the first call)
+    void sample() {
+        if (!sampler_) sampler_ = std::make_unique<GpuSampler>();
+        sampler_->on(true);
+    }
+    void samples_of(const std::string& phase) {
+        if (!sampler_) return;
+        sampler_->on(false);
+        const GpuSampler::Totals t = sampler_->take();
+        GpuSampler::Totals& g = gpu_[phase];
+        g.mhz += t.mhz, g.watts += t.watts, g.samples += t.samples, g.capped += t.capped;
+    }
     // ms per step of a part over the phase's steps
     double part_ms(const std::string& phase, Part p) const {
         auto it = phases_.find(phase);
@@ -3384,6 +3474,14 @@ class LoopProfiler {
                 s += strprintf("  %-34s %9.2f %5.1f%% %10s\n", part_names[p], ms, 100 * ms / (total / t.steps),
                                floor_ms > 0 ? strprintf("%.2f", floor_ms).c_str() : "-");
             }
+            auto g = gpu_.find(phase);
+            if (sampler_ && sampler_->working() && g != gpu_.end() && g->second.samples > 0) {
+                const GpuSampler::Totals& q = g->second;
+                s += strprintf("  GPU over these steps: SM clock %.0f MHz on average (its highest %u), %.0f W (limit %.0f W), "
+                               "held back by the power limit in %.0f%% of %lld samples\n",
+                               q.mhz / q.samples, sampler_->max_mhz(), q.watts / q.samples, sampler_->limit_watts(),
+                               100.0 * q.capped / q.samples, (long long)q.samples);
+            }
         }
         return s;
     }
@@ -3408,6 +3506,8 @@ class LoopProfiler {
     std::map<std::string, Totals> phases_;
     std::map<std::string, Unprofiled> unprofiled_;
     std::vector<std::string> order_;
+    std::unique_ptr<GpuSampler> sampler_;
+    std::map<std::string, GpuSampler::Totals> gpu_;
 };
 
 static void profile_mark(Part p, cudaStream_t s) {
@@ -5002,6 +5102,7 @@ void RunHarness::timed_step(int64_t step, const std::function<void()>& train_ste
     // a profiled run times whole steps: no step's tail may run on into the next one's clock
     if (args_.profile_steps > 0) CUDA_CHECK(cudaDeviceSynchronize());
     const double step_start = elapsed_ms();
+    if (args_.profile_steps > 0) profiler_->sample();
     if (profiled) g_profiler = profiler_.get(), profiler_->begin_step(stream_);
     try {
         train_step();
@@ -5014,6 +5115,7 @@ void RunHarness::timed_step(int64_t step, const std::function<void()>& train_ste
     if (unprofiled) CUDA_CHECK(cudaDeviceSynchronize());
     const double step_ms = elapsed_ms() - step_start;
     if (unprofiled) profiler_->add_unprofiled(tm_.phase(), step_ms);
+    if (args_.profile_steps > 0) profiler_->samples_of(tm_.phase());
     const double approx = training_time_ms_ + elapsed_ms();
     const std::string line = strprintf("step:%lld/%lld train_time:%.0fms step_avg:%.2fms", (long long)step + 1,
                                        (long long)train_steps, approx, approx / (step + 1));
