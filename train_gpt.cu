@@ -3307,7 +3307,7 @@ static const char* const part_short[] = {"host", "gemm", "head", "loss", "attent
 
 // The GPU's SM clock and power while training steps run, sampled every 10 ms by a thread of its own
 // (NVML, loaded at run time: without the driver's library there is nothing to print). An H200 runs
-// this loop at its power limit, 700 W, at about 1.45 GHz rather than its 1.98 GHz boost: in the loop a
+// this loop at its power limit, 700 W, at about 1.5 GHz rather than its 1.98 GHz boost: in the loop a
 // GEMM costs what its energy costs, and the floors below (at the boost clock's 790 TFLOP/s) are out of
 // reach there.
 class GpuSampler {
@@ -3342,11 +3342,10 @@ class GpuSampler {
         if (up_) shutdown_();
         if (lib_) dlclose(lib_);
     }
-    bool working() const { return thread_.joinable(); }
     unsigned max_mhz() const { return max_mhz_; }
     double limit_watts() const { return limit_mw_ / 1e3; }
     void on(bool v) { on_ = v; }
-    Totals take() {  // the samples since the last take
+    Totals take() {  // the samples since the last take (a sample is kept only if on() held throughout)
         std::lock_guard<std::mutex> g(mu_);
         Totals t = pending_;
         pending_ = {};
@@ -3362,7 +3361,9 @@ class GpuSampler {
             unsigned long long why = 0;
             if (on_ && clock_(dev_, NVML_CLOCK_SM, &mhz) == 0 && power_(dev_, &mw) == 0 && reasons_(dev_, &why) == 0) {
                 std::lock_guard<std::mutex> g(mu_);
-                pending_.mhz += mhz, pending_.watts += mw / 1e3, pending_.samples += 1, pending_.capped += (why & SW_POWER_CAP) != 0;
+                if (on_)  // (not turned off while it read: else the sample belongs to no step)
+                    pending_.mhz += mhz, pending_.watts += mw / 1e3, pending_.samples += 1,
+                        pending_.capped += (why & SW_POWER_CAP) != 0;
             }
             std::this_thread::sleep_for(std::chrono::milliseconds(10));
         }
@@ -3383,6 +3384,8 @@ class GpuSampler {
 
 class LoopProfiler {
    public:
+    // sample_gpu: the GPU's clock and power too (a thread of its own, started here, off the training clock)
+    explicit LoopProfiler(bool sample_gpu = false) : sampler_(sample_gpu ? std::make_unique<GpuSampler>() : nullptr) {}
     ~LoopProfiler() {
         if (open_) nvtxRangePop();
         for (cudaEvent_t e : pool_) CUDA_CHECK(cudaEventDestroy(e));
@@ -3436,10 +3439,9 @@ class LoopProfiler {
         Unprofiled& u = unprofiled_[phase];
         u.ms += ms, u.steps += 1;
     }
-    // the GPU's clock and power from here to the next samples_of (the sampler starts on the first call)
+    // the GPU's clock and power from here to the next samples_of
     void sample() {
-        if (!sampler_) sampler_ = std::make_unique<GpuSampler>();
-        sampler_->on(true);
+        if (sampler_) sampler_->on(true);
     }
     void samples_of(const std::string& phase) {
         if (!sampler_) return;
@@ -3475,7 +3477,7 @@ class LoopProfiler {
                                floor_ms > 0 ? strprintf("%.2f", floor_ms).c_str() : "-");
             }
             auto g = gpu_.find(phase);
-            if (sampler_ && sampler_->working() && g != gpu_.end() && g->second.samples > 0) {
+            if (g != gpu_.end() && g->second.samples > 0) {  // (samples only where NVML answered)
                 const GpuSampler::Totals& q = g->second;
                 s += strprintf("  GPU over these steps: SM clock %.0f MHz on average (its highest %u), %.0f W (limit %.0f W), "
                                "held back by the power limit in %.0f%% of %lld samples\n",
@@ -5037,7 +5039,7 @@ RunHarness::RunHarness(const Hyperparameters& args, RunSetup& setup, const std::
                        const std::string& gemm_plan, ParamStore& params, NorMuonAndAdam& opt, TrainingManager& tm,
                        DistributedDataGenerator& loader, const Distributed& dist, cudaStream_t stream)
     : args_(args), params_(params), opt_(opt), tm_(tm), loader_(loader), dist_(dist), stream_(stream),
-      profiler_(std::make_unique<LoopProfiler>()) {
+      profiler_(std::make_unique<LoopProfiler>(args.profile_steps > 0)) {
     rs_.configuration = configuration, rs_.gemm_plan = gemm_plan;
     if (setup.resume) {  // read and checked before any GPU work
         load_checkpoint(*setup.resume, params, opt, tm, loader, dist.rank);
