@@ -3479,10 +3479,12 @@ class LoopProfiler {
             auto g = gpu_.find(phase);
             if (g != gpu_.end() && g->second.samples > 0) {  // (samples only where NVML answered)
                 const GpuSampler::Totals& q = g->second;
+                // at the limit a step's time is its energy over the limit: the figure a change lowers
+                const double watts = q.watts / q.samples;
                 s += strprintf("  GPU over these steps: SM clock %.0f MHz on average (its highest %u), %.0f W (limit %.0f W), "
-                               "held back by the power limit in %.0f%% of %lld samples\n",
-                               q.mhz / q.samples, sampler_->max_mhz(), q.watts / q.samples, sampler_->limit_watts(),
-                               100.0 * q.capped / q.samples, (long long)q.samples);
+                               "%.0f J a step; held back by the power limit in %.0f%% of %lld samples\n",
+                               q.mhz / q.samples, sampler_->max_mhz(), watts, sampler_->limit_watts(),
+                               watts * total / t.steps / 1e3, 100.0 * q.capped / q.samples, (long long)q.samples);
             }
         }
         return s;
