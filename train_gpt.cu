@@ -3479,12 +3479,15 @@ class LoopProfiler {
             auto g = gpu_.find(phase);
             if (g != gpu_.end() && g->second.samples > 0) {  // (samples only where NVML answered)
                 const GpuSampler::Totals& q = g->second;
-                // at the limit a step's time is its energy over the limit: the figure a change lowers
+                // at the limit a step's time is its energy over the limit: the figure a change lowers. The
+                // samples span every step of the phase, profiled or not: their mean host-clock time
                 const double watts = q.watts / q.samples;
+                const Unprofiled un = u != unprofiled_.end() ? u->second : Unprofiled{};
+                const double step_ms = (t.wall_ms + un.ms) / (t.steps + un.steps);
                 s += strprintf("  GPU over these steps: SM clock %.0f MHz on average (its highest %u), %.0f W (limit %.0f W), "
                                "%.0f J a step; held back by the power limit in %.0f%% of %lld samples\n",
                                q.mhz / q.samples, sampler_->max_mhz(), watts, sampler_->limit_watts(),
-                               watts * total / t.steps / 1e3, 100.0 * q.capped / q.samples, (long long)q.samples);
+                               watts * step_ms / 1e3, 100.0 * q.capped / q.samples, (long long)q.samples);
             }
         }
         return s;
