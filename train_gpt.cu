@@ -243,7 +243,8 @@ constexpr bool layer_table_is_valid() {
 static_assert(sizeof(LAYERS) / sizeof(LAYERS[0]) == NUM_LAYERS, "the layer table needs one row per layer");
 static_assert(layer_table_is_valid(), "a layer without attention has no window or value embedding; ve is -1 or 0-2");
 // the skip and the backout read their sources from the next layer's input buffer, which the skip
-// then changes in place: neither source may be the skip target's own input
+// then changes in place: neither source may be the skip target's own input (and the backward adds
+// their gradients in the norm_mix_backward of the layer after each source, once the skip's is made)
 static_assert(0 <= SKIP_IN && SKIP_IN + 1 < SKIP_OUT && SKIP_OUT < NUM_LAYERS, "the skip goes forward over a layer");
 static_assert(0 <= BACKOUT_LAYER && BACKOUT_LAYER < NUM_LAYERS - 1 && BACKOUT_LAYER + 1 != SKIP_OUT,
               "the backout source is the output of a layer before the last, not the skip target's input");
@@ -430,10 +431,11 @@ class LoopProfiler;
 static LoopProfiler* g_profiler = nullptr;  // the profiler while a step is profiled (else the marks cost nothing)
 static void profile_mark(Part p, cudaStream_t s);  // from here on, the work queued on s counts as part p
 static Part profiled_part();                       // the part marked last
-// the work queued on s in a scope counts as part p (its GEMM flops as p's), then as the part before
+// the work queued on s in a scope counts as part p (its GEMM flops as p's), then as the part before;
+// a GEMM's label (its shape) gives it a line of its own in the profile's table of GEMMs
 class ProfiledPart {
    public:
-    ProfiledPart(Part p, cudaStream_t s, double gemm_flops = 0, bool fp8 = false);
+    ProfiledPart(Part p, cudaStream_t s, double gemm_flops = 0, bool fp8 = false, const char* gemm_label = nullptr);
     ~ProfiledPart();
 
    private:
@@ -568,6 +570,7 @@ class Gemms {
     static bool parse_algo_hex(const std::string& h, cublasLtMatmulAlgo_t& a);
 
     static std::string describe(const Key& key);
+    static std::string label_text(const Key& key, float beta);  // the profile's name of a shape
 
     // bytes from D's first element to its last (batches included)
     static size_t extent_bytes(const Key& key);
@@ -1230,7 +1233,7 @@ class Model {
             // @Grad62304977)
             if (attn) CUDA_CHECK(rms_norm_forward(l.x_attn, D, l.xn_m, D, l.rstd_m, T, D, RMS_NORM_EPS, s));
             {
-                ProfiledPart gemm(Part::Gemm, s, 2.0 * T * 4 * D * D);
+                ProfiledPart gemm(Part::Gemm, s, 2.0 * T * 4 * D * D, false, "c_fc + ReLU^2 (ours)");
                 CUDA_CHECK(linear_relu_square_forward(l.xn_m, c_fc(i), T, 4 * D, D, l.pre, l.post, s));
             }
             __nv_bfloat16* out = i + 1 < NUM_LAYERS ? layer(i + 1).x_in : x_last_;
@@ -1262,15 +1265,14 @@ class Model {
                                     {scalars + SCALAR_BACKOUT, -1.f, 0.f}, nullptr, gscalars + SCALAR_BACKOUT, nullptr, s, &deferred_));
         for (int i = NUM_LAYERS - 1; i >= 0; --i) {
             Layer& l = layers_[i];
-            // dx: the gradient of this layer's output
-            if (i == BACKOUT_LAYER) CUDA_CHECK(combine(dx_, dx_, dback_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
-            if (i == SKIP_IN) CUDA_CHECK(combine(dx_, dx_, dskip_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
+            // dx: the gradient of this layer's output (the backout's and the skip's parts joined it in the
+            // layer above's norm_mix_backward)
             // MLP: out = x_attn + post c_proj
             gemms_.bf16(side(s), Op::T, Op::N, 4 * D, D, T, l.post, 4 * D, dx_, D, c_proj_grad(i), D, false, 1.f, 1.f);
             side_mark(ev_cproj_);
             side_wait(ev_cfc_, s);  // dpre: the layer above's c_fc weight gradient has read it
             {
-                ProfiledPart gemm(Part::Gemm, s, 2.0 * T * 4 * D * D);
+                ProfiledPart gemm(Part::Gemm, s, 2.0 * T * 4 * D * D, false, "c_proj^T + ReLU^2' (ours)");
                 CUDA_CHECK(linear_relu_square_backward(dx_, c_proj(i), T, 4 * D, D, l.pre, dpre_, s));
             }
             gemms_.bf16(side(s), Op::T, Op::N, 4 * D, D, T, dpre_, 4 * D, l.xn_m, D, c_fc_grad(i), D, false, 1.f, 1.f);
@@ -1286,8 +1288,15 @@ class Model {
                 rstd = l.rstd_a;
                 side_wait(ev_o_, s);  // and O's
             }
+            // x_in's gradient gathers the other uses of layer i-1's output: the backout's and the skip
+            // source's (not below the skip's own layer, whose gate reads dx as it is); layer 0's x_in is x0
+            NormMixFolds folds;
+            if (i == BACKOUT_LAYER + 1) folds.add0 = dback_;
+            if (i == SKIP_IN + 1) folds.add1 = dskip_;
+            folds.into_dy = i == 0;
             CUDA_CHECK(norm_mix_backward(dxn_, rstd, dx_, l.x_in, x0_, dx0_, i == NUM_LAYERS - 1, T, {scalars + SCALAR_RESID + i, 1.f, 0.f},
-                                         {x0_lambdas + i, 1.f, 0.f}, gscalars + SCALAR_RESID + i, gx0l + i, nullptr, s, &deferred_));
+                                         {x0_lambdas + i, 1.f, 0.f}, gscalars + SCALAR_RESID + i, gx0l + i, nullptr, s, &deferred_,
+                                         folds));
             if (i == SKIP_OUT) {  // skip: x_in += c 2 sigmoid(z(x0)) skip_source; dx passes through
                 gate::Params sk = row_gate(T, x0_, bf(p_["skip_gate"].data), scalars + SCALAR_SKIP);
                 sk.b = skip_source(), sk.dout = dx_, sk.ld_dout = D, sk.db = dskip_, sk.ld_db = D, sk.db_first = true;
@@ -1301,8 +1310,7 @@ class Model {
         }
         for (int k = 0; k < NUM_VALUE_EMBEDS; ++k)  // (a table no layer reads has a zero gradient)
             if (!dve_written_[k]) CUDA_CHECK(cudaMemsetAsync(dve_[k], 0, TD * 2, s));
-        // layer 0's input is x0
-        CUDA_CHECK(combine(dx0_, dx0_, dx_, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));
+        // (layer 0's input is x0: dx0 holds its whole gradient)
         // x0 = norm(smear(emb))
         CUDA_CHECK(rms_norm_backward(xs_, D, dx0_, D, rstd0_, dx_, D, T, D, s));
         gate::Params sm = row_gate(T, emb_, bf(p_["smear_gate"].data), scalars + SCALAR_SMEAR);
@@ -3208,6 +3216,15 @@ std::string Gemms::describe(const Key& key) {
                      key.m, key.n, key.k, (long long)key.lda, (long long)key.ldb, (long long)key.ldc);
 }
 
+std::string Gemms::label_text(const Key& k, float beta) {
+    std::string s = strprintf("%s %c%c %dx%dx%d", k.ta == CUDA_R_16BF ? "bf16" : k.ta == CUDA_R_8F_E4M3 ? "e4m3" : "e5m2",
+                              k.opa == Op::N ? 'N' : 'T', k.opb == Op::N ? 'N' : 'T', k.m, k.n, k.k);
+    if (k.batch > 1) s += strprintf(" (x%d)", k.batch);
+    if (k.tc == CUDA_R_32F) s += " -> f32";
+    if (beta != 0.f) s += " + C";
+    return s;
+}
+
 size_t Gemms::extent_bytes(const Key& key) {
     const size_t elem = key.tc == CUDA_R_32F ? 4 : 2;
     return elem * ((size_t)(key.batch - 1) * key.stride_c + (size_t)(key.m - 1) * key.ldc + key.n);
@@ -3274,8 +3291,9 @@ void Gemms::run(cudaStream_t stream, const Key& key, const void* A, const void* 
     // profiled: the model's GEMMs are a part of their own; the head's and the optimizer's count
     // as those parts
     const Part outer = profiled_part();
+    const std::string label = g_profiler ? label_text(key, beta) : std::string();
     ProfiledPart part(outer == Part::Head || outer == Part::Optimizer ? outer : Part::Gemm, stream,
-                      2.0 * key.m * key.n * key.k * key.batch, key.ta != CUDA_R_16BF);
+                      2.0 * key.m * key.n * key.k * key.batch, key.ta != CUDA_R_16BF, g_profiler ? label.c_str() : nullptr);
     while (true) {
         cublasStatus_t st = cublasLtMatmul(lt_, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, D, p.c,
                                            &p.candidates.front(), workspace(stream), workspace_bytes_, stream);
@@ -3391,8 +3409,8 @@ class LoopProfiler {
         for (cudaEvent_t e : pool_) CUDA_CHECK(cudaEventDestroy(e));
     }
     Part current() const { return current_; }
-    // from here on, the work queued on s counts as part p
-    void mark(Part p, cudaStream_t s) {
+    // from here on, the work queued on s counts as part p (a GEMM's line of its own: label, flops)
+    void mark(Part p, cudaStream_t s, const char* label = nullptr, double flops = 0) {
         if (used_ == pool_.size()) {
             cudaEvent_t e;
             CUDA_CHECK(cudaEventCreate(&e));
@@ -3400,6 +3418,7 @@ class LoopProfiler {
         }
         CUDA_CHECK(cudaEventRecord(pool_[used_], s));
         parts_.push_back(p);
+        labels_.push_back(label ? Label{label, flops} : Label{});
         ++used_;
         current_ = p;
         if (open_) nvtxRangePop();
@@ -3410,7 +3429,7 @@ class LoopProfiler {
     void add_flops(Part p, double flops, bool fp8) { (fp8 ? fp8_flops_ : bf16_flops_)[(int)p] += flops; }
     void begin_step(cudaStream_t s) {
         used_ = 0;
-        parts_.clear();
+        parts_.clear(), labels_.clear();
         wall0_ = std::chrono::steady_clock::now();
         mark(Part::Host, s);
     }
@@ -3425,6 +3444,10 @@ class LoopProfiler {
             float ms;
             CUDA_CHECK(cudaEventElapsedTime(&ms, pool_[i], pool_[i + 1]));
             t.ms[(int)parts_[i]] += ms;
+            if (!labels_[i].text.empty()) {
+                Shape& g = t.shapes[{(int)parts_[i], labels_[i].text}];
+                g.ms += ms, g.flops += labels_[i].flops, g.calls += 1;
+            }
         }
         for (int p = 0; p < (int)Part::COUNT; ++p) t.bf16_flops[p] += bf16_flops_[p], t.fp8_flops[p] += fp8_flops_[p];
         bf16_flops_.fill(0), fp8_flops_.fill(0);
@@ -3476,6 +3499,18 @@ class LoopProfiler {
                 s += strprintf("  %-34s %9.2f %5.1f%% %10s\n", part_names[p], ms, 100 * ms / (total / t.steps),
                                floor_ms > 0 ? strprintf("%.2f", floor_ms).c_str() : "-");
             }
+            // the model's and the head's GEMMs by shape (m x n x k of C = op(A) op(B)), slowest first:
+            // which ones run below the ceilings in the loop
+            std::vector<std::pair<double, std::string>> rows;
+            for (const auto& [key, g] : t.shapes) {
+                if (key.first != (int)Part::Gemm && key.first != (int)Part::Head) continue;
+                rows.push_back({g.ms / t.steps, strprintf("    %-40s %9.2f ms %6.0f TFLOP/s %4.0f calls a step\n",
+                                                          key.second.c_str(), g.ms / t.steps, g.flops / g.ms / 1e9,
+                                                          (double)g.calls / t.steps)});
+            }
+            std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+            if (!rows.empty()) s += "  the GEMMs by shape (m x n x k), in the loop:\n";
+            for (const auto& r : rows) s += r.second;
             auto g = gpu_.find(phase);
             if (g != gpu_.end() && g->second.samples > 0) {  // (samples only where NVML answered)
                 const GpuSampler::Totals& q = g->second;
@@ -3494,13 +3529,23 @@ class LoopProfiler {
     }
 
    private:
+    struct Shape {
+        double ms = 0, flops = 0;
+        int64_t calls = 0;
+    };
     struct Totals {
         std::array<double, (size_t)Part::COUNT> ms{}, bf16_flops{}, fp8_flops{};
+        std::map<std::pair<int, std::string>, Shape> shapes;  // (part, GEMM label)
         double wall_ms = 0;
         int64_t steps = 0;
     };
+    struct Label {
+        std::string text;
+        double flops = 0;
+    };
     std::vector<cudaEvent_t> pool_;
     std::vector<Part> parts_;
+    std::vector<Label> labels_;
     size_t used_ = 0;
     Part current_ = Part::Host;
     bool open_ = false;
@@ -3523,11 +3568,11 @@ static void profile_mark(Part p, cudaStream_t s) {
 
 static Part profiled_part() { return g_profiler ? g_profiler->current() : Part::Host; }
 
-ProfiledPart::ProfiledPart(Part p, cudaStream_t s, double gemm_flops, bool fp8) : s_(s) {
+ProfiledPart::ProfiledPart(Part p, cudaStream_t s, double gemm_flops, bool fp8, const char* gemm_label) : s_(s) {
     if (!g_profiler) return;
     outer_ = g_profiler->current();
     if (gemm_flops > 0) g_profiler->add_flops(p, gemm_flops, fp8);
-    g_profiler->mark(p, s);
+    g_profiler->mark(p, s, gemm_label, gemm_flops);
 }
 ProfiledPart::~ProfiledPart() {
     if (g_profiler) g_profiler->mark(outer_, s_);

@@ -43,8 +43,8 @@
 //   attention output gate (attn_gate_w)                 gate       gate_forward / gate_backward, Output
 //   smear gate                                          gate       gate_forward / gate_backward, Smear
 //   skip gate                                           gate       gate_forward / gate_backward, Skip
-//   resid_lambdas x + x0_lambdas x0; backout            scal       combine / combine_backward
-//     (with the norm after them, in one pass)                      combine_norm
+//   resid_lambdas x + x0_lambdas x0; backout            scal       combine_norm / combine_backward
+//     (with the norm after them, in one pass)
 //   norm(x)'s backward + the mixing's, in one pass      scal       norm_mix_backward
 //   sa_lambdas * qkvo_w (QKV's and O's)                 scal       scale_weight / scale_weight_backward
 //   losses.sum() (training); the mean loss (eval)       red        sum_floats
@@ -3277,10 +3277,14 @@ __global__ void combine_bwd_kernel(const __nv_bfloat16* dout, const __nv_bfloat1
 // dx = ca dm, dy += cb dm (dy_first: dy = cb dm, its first term: no zeroing pass), partial[0][block]
 // = sum dm x, partial[1][block] = sum dm y. xm is made again from x and y, as combine_norm_kernel
 // made and stored it (the same bits), instead of read. A warp per row, rows strided over DOT_BLOCKS
-// CTAs (a fixed order: deterministic).
+// CTAs (a fixed order: deterministic). The other gradients of x that the residual stream gathers
+// here join in the same pass, each rounded as a combine pass of its own would: dx += add0, then
+// dx += add1 (where non-null); into_dy (x is y's own input, as layer 0's is x0): dy += dx, and dx
+// is not written.
 template <bool DY_FIRST>
 __global__ void norm_mix_bwd_kernel(const __nv_bfloat16* dxn, const float* rstd, __nv_bfloat16* dx, const __nv_bfloat16* x,
-                                    const __nv_bfloat16* y, __nv_bfloat16* dy, int rows, Coef ca, Coef cb, float* partial) {
+                                    const __nv_bfloat16* y, __nv_bfloat16* dy, int rows, Coef ca, Coef cb, float* partial,
+                                    const __nv_bfloat16* add0, const __nv_bfloat16* add1, bool into_dy) {
     constexpr int DIM = 768, V = DIM / 256;
     const float a = ca.value(), b = cb.value();
     const int lane = threadIdx.x & 31, warps = gridDim.x * (blockDim.x / 32);
@@ -3313,7 +3317,21 @@ __global__ void norm_mix_bwd_kernel(const __nv_bfloat16* dxn, const float* rstd,
                 sx += dm * fxi[v][e], sy += dm * fyi[v][e];
                 acc[e] = a * dm, ay[e] += b * dm;
             }
-            tk::store8(dx + o, acc);
+            const __nv_bfloat16* adds[2] = {add0, add1};
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                if (!adds[k]) continue;
+                float t[8];
+                tk::load8(adds[k] + o, t);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e] = tk::round_bf16(acc[e]) + t[e];
+            }
+            if (into_dy) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) ay[e] = tk::round_bf16(ay[e]) + tk::round_bf16(acc[e]);
+            } else {
+                tk::store8(dx + o, acc);
+            }
             tk::store8(dy + o, ay);
         }
     }
@@ -3355,8 +3373,9 @@ __global__ void scale_weight_bwd_kernel(const float* dwp, const __nv_bfloat16* w
 
 }  // namespace scal
 
-// out = ca x + cb y over n bf16 values (n a multiple of 8; out may alias x or y)
-// flag: as check_finite's, for x (the forward checks each layer's output where the next step reads it)
+// out = ca x + cb y over n bf16 values (n a multiple of 8; out may alias x or y); flag: as
+// check_finite's, for x. The trainer runs its fused forms (combine_norm, norm_mix_backward's folds);
+// the tests take it as their reference of the mix's bits
 inline cudaError_t combine(__nv_bfloat16* out, const __nv_bfloat16* x, const __nv_bfloat16* y, int64_t n, scal::Coef ca,
                            scal::Coef cb, cudaStream_t stream, int* flag = nullptr, int tag = 0) {
     if (n % 8) return cudaErrorInvalidValue;
@@ -3391,17 +3410,24 @@ inline cudaError_t combine_backward(const __nv_bfloat16* dout, const __nv_bfloat
 // rms_norm_backward(xm, dxn, rstd -> dx, accumulate) then combine_backward(dx, x, y -> dx, dy, ca, cb,
 // ga, gb) in one pass, for xm = combine_norm's out of (x, y, ca, cb) (remade, not read): rows x 768,
 // contiguous (row stride 768). The mix's dx is written in place; dy_first: dy = cb dm (dy's first
-// term), else dy += cb dm.
+// term), else dy += cb dm. Then, with the bits of combine passes after it: dx += add0, dx += add1
+// (those not null), and into_dy: dy += dx instead of writing dx.
+struct NormMixFolds {
+    const __nv_bfloat16 *add0 = nullptr, *add1 = nullptr;
+    bool into_dy = false;
+};
 inline cudaError_t norm_mix_backward(const __nv_bfloat16* dxn, const float* rstd, __nv_bfloat16* dx, const __nv_bfloat16* x,
                                      const __nv_bfloat16* y, __nv_bfloat16* dy, bool dy_first, int rows, scal::Coef ca,
                                      scal::Coef cb, float* ga, float* gb, float* partial, cudaStream_t stream,
-                                     DeferredSums* deferred = nullptr) {
+                                     DeferredSums* deferred = nullptr, NormMixFolds f = {}) {
     if (rows <= 0) return cudaSuccess;
     if (deferred && !(partial = deferred->scalar(ga, ca.scale, gb, cb.scale))) return cudaErrorInvalidValue;
     if (dy_first)
-        scal::norm_mix_bwd_kernel<true><<<scal::DOT_BLOCKS, 256, 0, stream>>>(dxn, rstd, dx, x, y, dy, rows, ca, cb, partial);
+        scal::norm_mix_bwd_kernel<true><<<scal::DOT_BLOCKS, 256, 0, stream>>>(dxn, rstd, dx, x, y, dy, rows, ca, cb, partial,
+                                                                              f.add0, f.add1, f.into_dy);
     else
-        scal::norm_mix_bwd_kernel<false><<<scal::DOT_BLOCKS, 256, 0, stream>>>(dxn, rstd, dx, x, y, dy, rows, ca, cb, partial);
+        scal::norm_mix_bwd_kernel<false><<<scal::DOT_BLOCKS, 256, 0, stream>>>(dxn, rstd, dx, x, y, dy, rows, ca, cb, partial,
+                                                                               f.add0, f.add1, f.into_dy);
     if (!deferred) scal::finish_kernel<<<1, 64, 0, stream>>>(partial, ga, ca.scale, gb, cb.scale);
     return cudaGetLastError();
 }

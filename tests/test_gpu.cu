@@ -1151,14 +1151,17 @@ static void gate_case(GateKind kind, int T, uint64_t seed, bool db_first = false
 }
 
 // a block's first norm and the mixing in one backward pass (norm_mix_backward), which remakes the
-// mix xm = bf16(ca x + cb y) as combine_norm stored it; dy_first: dy = cb dm instead of dy += cb dm
-static void norm_mix_case(int rows, bool dy_first, uint64_t seed) {
+// mix xm = bf16(ca x + cb y) as combine_norm stored it; dy_first: dy = cb dm instead of dy += cb dm;
+// folds: nadd gradients added into dx (0-2), into_dy: dy += dx (dx not written), with the bits of
+// the combine passes they replace
+static void norm_mix_case(int rows, bool dy_first, uint64_t seed, int nadd = 0, bool into_dy = false) {
     const int D = 768;
     const size_t n = (size_t)rows * D;
     const float ca = 1.1f, cb = 0.25f;
     std::mt19937_64 rng(seed);
     std::vector<uint16_t> dxn = random_bf16(rng, n, 1.f), dx = random_bf16(rng, n, 1.f);
     std::vector<uint16_t> x = random_bf16(rng, n, 1.f), y = random_bf16(rng, n, 2.f), dy = random_bf16(rng, n, 0.5f);
+    std::vector<uint16_t> add[2] = {random_bf16(rng, n, 1.f), random_bf16(rng, n, 0.7f)};
     std::vector<uint16_t> xm(n);
     for (size_t i = 0; i < n; ++i)  // the kernels' mix: fma(ca, x, bf16-free cb * y), rounded once to bf16
         xm[i] = float_to_bf16(std::fma(ca, bf16_to_float(x[i]), cb * bf16_to_float(y[i])));
@@ -1178,6 +1181,8 @@ static void norm_mix_case(int rows, bool dy_first, uint64_t seed) {
             const double dm = bf16_to_float(dx[i]) +
                               rs * (bf16_to_float(dxn[i]) - bf16_to_float(xm[i]) * rs * rs * dot / D);
             dx_ref[i] = (double)ca * dm, dy_ref[i] = (dy_first ? 0.0 : bf16_to_float(dy[i])) + (double)cb * dm;
+            for (int k = 0; k < nadd; ++k) dx_ref[i] += bf16_to_float(add[k][i]);
+            if (into_dy) dy_ref[i] += dx_ref[i];
             const double tx = dm * bf16_to_float(x[i]), ty = dm * bf16_to_float(y[i]);
             sx += tx, sy += ty, mx += tx * tx, my += ty * ty;
         }
@@ -1195,22 +1200,44 @@ static void norm_mix_case(int rows, bool dy_first, uint64_t seed) {
     std::vector<uint16_t> dy_in = dy;
     if (dy_first)
         for (auto& v : dy_in) v = 0x7fc0;  // poisoned: dy_first must not read it
-    DeviceArray<uint16_t> ddxn(dxn), ddx(dx), dxx(x), dyy(y), ddy(dy_in);
+    DeviceArray<uint16_t> ddxn(dxn), ddx(dx), dxx(x), dyy(y), ddy(dy_in), dadd0(add[0]), dadd1(add[1]);
     DeviceArray<float> drstd(rstd), sc(std::vector<float>{ca, cb, 0.02f, -0.3f}), partial(2 * scal::DOT_BLOCKS);
     auto bf = [](uint16_t* p) { return reinterpret_cast<__nv_bfloat16*>(p); };
+    NormMixFolds folds;
+    if (nadd > 0) folds.add0 = bf(dadd0.ptr);
+    if (nadd > 1) folds.add1 = bf(dadd1.ptr);
+    folds.into_dy = into_dy;
     CUDA_CHECK(norm_mix_backward(bf(ddxn.ptr), drstd.ptr, bf(ddx.ptr), bf(dxx.ptr), bf(dyy.ptr), bf(ddy.ptr), dy_first,
-                                 rows, {sc.ptr + 0, 1.f, 0.f}, {sc.ptr + 1, 1.f, 0.f}, sc.ptr + 2, sc.ptr + 3, partial.ptr, 0));
+                                 rows, {sc.ptr + 0, 1.f, 0.f}, {sc.ptr + 1, 1.f, 0.f}, sc.ptr + 2, sc.ptr + 3, partial.ptr, 0,
+                                 nullptr, folds));
     CUDA_CHECK(cudaDeviceSynchronize());
+    if (nadd > 0 || into_dy) {  // the same bits as the unfolded pass, then a combine pass per fold
+        DeviceArray<uint16_t> ddx2(dx), ddy2(dy_in);
+        DeviceArray<float> sc2(std::vector<float>{ca, cb, 0.02f, -0.3f});
+        CUDA_CHECK(norm_mix_backward(bf(ddxn.ptr), drstd.ptr, bf(ddx2.ptr), bf(dxx.ptr), bf(dyy.ptr), bf(ddy2.ptr), dy_first,
+                                     rows, {sc2.ptr + 0, 1.f, 0.f}, {sc2.ptr + 1, 1.f, 0.f}, sc2.ptr + 2, sc2.ptr + 3,
+                                     partial.ptr, 0));
+        const scal::Coef one{nullptr, 0.f, 1.f};
+        for (int k = 0; k < nadd; ++k)
+            CUDA_CHECK(combine(bf(ddx2.ptr), bf(ddx2.ptr), bf(k ? dadd1.ptr : dadd0.ptr), (int64_t)n, one, one, 0));
+        if (into_dy) CUDA_CHECK(combine(bf(ddy2.ptr), bf(ddy2.ptr), bf(ddx2.ptr), (int64_t)n, one, one, 0));
+        CUDA_CHECK(cudaDeviceSynchronize());
+        CHECK(ddy.download() == ddy2.download() && (into_dy || ddx.download() == ddx2.download()),
+              "norm + mix backward rows %d, %d adds%s: other bits than the unfolded pass and its combines", rows, nadd,
+              into_dy ? ", into dy" : "");
+        CHECK(!into_dy || ddx.download() == dx, "norm + mix backward rows %d: into_dy wrote dx", rows);
+    }
     auto widen = [](const std::vector<uint16_t>& v) {
         std::vector<double> o(v.size());
         for (size_t i = 0; i < v.size(); ++i) o[i] = bf16_to_float(v[i]);
         return o;
     };
     const std::vector<float> g = sc.download();
-    const double e_x = rel_err_d(widen(ddx.download()), dx_ref), e_y = rel_err_d(widen(ddy.download()), dy_ref);
+    const double e_x = into_dy ? 0 : rel_err_d(widen(ddx.download()), dx_ref), e_y = rel_err_d(widen(ddy.download()), dy_ref);
     const double e_ga = std::fabs(g[2] - (0.02 + sx)) / std::sqrt(mx), e_gb = std::fabs(g[3] - (-0.3 + sy)) / std::sqrt(my);
-    printf("  norm + mix backward rows %5d%s  rel err: dx %.1e dy %.1e; scalar grads %.1e %.1e (of their terms' rms)\n",
-           rows, dy_first ? " (dy first)" : "", e_x, e_y, e_ga, e_gb);
+    printf("  norm + mix backward rows %5d%s%s%s  rel err: dx %.1e dy %.1e; scalar grads %.1e %.1e (of their terms' rms)\n",
+           rows, dy_first ? " (dy first)" : "", nadd ? (nadd == 1 ? " (+1 add)" : " (+2 adds)") : "", into_dy ? " (into dy)" : "",
+           e_x, e_y, e_ga, e_gb);
     CHECK(e_x < 1e-2 && e_y < 1e-2 && e_ga < 1e-3 && e_gb < 1e-3,
           "norm + mix backward rows %d differs from the fp64 reference (dx %.2e dy %.2e ga %.2e gb %.2e)", rows, e_x, e_y,
           e_ga, e_gb);
@@ -1783,6 +1810,10 @@ static void test_model_kernels() {
     norm_mix_case(1001, false, 52);
     norm_mix_case(3, false, 53);
     norm_mix_case(517, true, 54);
+    norm_mix_case(333, false, 55, 1);
+    norm_mix_case(77, false, 56, 2);
+    norm_mix_case(1029, false, 57, 0, true);
+    norm_mix_case(5, true, 58, 2, true);
     // the MLP's fused GEMMs (128 x 256 tiles)
     linear_relu_square_case(300, 384, 192, 21);  // rows off the 128-row tile, a half-wide last column tile
     linear_relu_square_case(16, 200, 64, 19);  // fewer rows than a consumer's 64, n a multiple of 8 only
