@@ -565,6 +565,7 @@ class Gemms {
     Plan& plan(const Key& key);
 
     // a shape as the plan names it (every field of the key: the same text means the same call)
+    static const char* type_name(cudaDataType t);  // bf16, f32, e4m3, e5m2
     static std::string key_text(const Key& k);
     static std::string algo_hex(const cublasLtMatmulAlgo_t& a);
     static bool parse_algo_hex(const std::string& h, cublasLtMatmulAlgo_t& a);
@@ -3164,14 +3165,16 @@ Gemms::Plan& Gemms::plan(const Key& key) {
     return plans_.emplace(key, p).first->second;
 }
 
+const char* Gemms::type_name(cudaDataType t) {
+    return t == CUDA_R_16BF ? "bf16" : t == CUDA_R_32F ? "f32" : t == CUDA_R_8F_E4M3 ? "e4m3" : "e5m2";
+}
+
 std::string Gemms::key_text(const Key& k) {
-    auto type = [](cudaDataType t) {
-        return t == CUDA_R_16BF ? "bf16" : t == CUDA_R_32F ? "f32" : t == CUDA_R_8F_E4M3 ? "e4m3" : "e5m2";
-    };
     return strprintf("%s,%s,%s %c%c m=%d n=%d k=%d ld=%lld,%lld,%lld fast=%d align=%d,%d,%d batch=%d stride=%lld,%lld,%lld",
-                     type(k.ta), type(k.tb), type(k.tc), k.opa == Op::N ? 'N' : 'T', k.opb == Op::N ? 'N' : 'T', k.m,
-                     k.n, k.k, (long long)k.lda, (long long)k.ldb, (long long)k.ldc, (int)k.fast_accum, k.align_a,
-                     k.align_b, k.align_c, k.batch, (long long)k.stride_a, (long long)k.stride_b, (long long)k.stride_c);
+                     type_name(k.ta), type_name(k.tb), type_name(k.tc), k.opa == Op::N ? 'N' : 'T',
+                     k.opb == Op::N ? 'N' : 'T', k.m, k.n, k.k, (long long)k.lda, (long long)k.ldb, (long long)k.ldc,
+                     (int)k.fast_accum, k.align_a, k.align_b, k.align_c, k.batch, (long long)k.stride_a,
+                     (long long)k.stride_b, (long long)k.stride_c);
 }
 
 std::map<std::string, cublasLtMatmulAlgo_t> Gemms::parse_plan(const std::string& text) {
@@ -3217,8 +3220,7 @@ std::string Gemms::describe(const Key& key) {
 }
 
 std::string Gemms::label_text(const Key& k, float beta) {
-    std::string s = strprintf("%s %c%c %dx%dx%d", k.ta == CUDA_R_16BF ? "bf16" : k.ta == CUDA_R_8F_E4M3 ? "e4m3" : "e5m2",
-                              k.opa == Op::N ? 'N' : 'T', k.opb == Op::N ? 'N' : 'T', k.m, k.n, k.k);
+    std::string s = strprintf("%s %c%c %dx%dx%d", type_name(k.ta), k.opa == Op::N ? 'N' : 'T', k.opb == Op::N ? 'N' : 'T', k.m, k.n, k.k);
     if (k.batch > 1) s += strprintf(" (x%d)", k.batch);
     if (k.tc == CUDA_R_32F) s += " -> f32";
     if (beta != 0.f) s += " + C";
@@ -3291,9 +3293,9 @@ void Gemms::run(cudaStream_t stream, const Key& key, const void* A, const void* 
     // profiled: the model's GEMMs are a part of their own; the head's and the optimizer's count
     // as those parts
     const Part outer = profiled_part();
-    const std::string label = g_profiler ? label_text(key, beta) : std::string();
+    const std::string label = g_profiler ? label_text(key, beta) : std::string();  // (only while profiling)
     ProfiledPart part(outer == Part::Head || outer == Part::Optimizer ? outer : Part::Gemm, stream,
-                      2.0 * key.m * key.n * key.k * key.batch, key.ta != CUDA_R_16BF, g_profiler ? label.c_str() : nullptr);
+                      2.0 * key.m * key.n * key.k * key.batch, key.ta != CUDA_R_16BF, label.c_str());
     while (true) {
         cublasStatus_t st = cublasLtMatmul(lt_, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, D, p.c,
                                            &p.candidates.front(), workspace(stream), workspace_bytes_, stream);
