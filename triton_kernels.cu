@@ -1659,13 +1659,15 @@ static_assert(SMEM <= 232448, "shared memory");
 using tk::mbar_arrive, tk::mbar_expect_tx, tk::mbar_init, tk::mbar_wait, tk::tma_load_2d;
 
 // The backward's dpre = 2 relu(pre) dpost of a bf16 pair of dpost (v), over the pair of pre at pre_at in
-// shared memory
+// shared memory. In bf16x2 arithmetic, three instructions a pair: 2 dpost is exact and the product of
+// two bf16 values is rounded once, as the fp32 product rounded to bf16 is (the same bits)
 __device__ __forceinline__ uint32_t dpre_pair(uint32_t v, uint32_t pre_at) {
     uint32_t pu;
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(pu) : "r"(pre_at));
-    const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-    const float2 p = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pu));
-    return tk::pack_bf16(2.f * g.x * fmaxf(p.x, 0.f), 2.f * g.y * fmaxf(p.y, 0.f));
+    const __nv_bfloat162 g = *reinterpret_cast<const __nv_bfloat162*>(&v);
+    const __nv_bfloat162 p = *reinterpret_cast<const __nv_bfloat162*>(&pu);
+    const __nv_bfloat162 d = __hmul2(__hadd2(g, g), __hmax2(p, __float2bfloat162_rn(0.f)));
+    return *reinterpret_cast<const uint32_t*>(&d);
 }
 
 // The tile order and the stage pipeline. Tiles run along the wider side of C: the CTAs at work at once
@@ -1807,12 +1809,18 @@ __global__ void __launch_bounds__(THREADS, 1)
                 const int r = r0 + EPI_WARPS * u, row = m0 + r;
                 const bool ok = r < BM && row < M && col < N;
                 __nv_bfloat16* out = c0 + (int64_t)row * ldc + col;
-                float f[8], o[8];
-                tk::load8(reinterpret_cast<const __nv_bfloat16*>(&v[u]), f);
-                if constexpr (EPI == 0) {  // pre, and post = relu(pre)^2 of the bf16 pre
+                if constexpr (EPI == 0) {  // pre, and post = relu(pre)^2 of the bf16 pre (in bf16x2: the
+                                           // exact square rounded once, as in fp32)
+                    uint4 o = v[u];
+                    uint32_t* w = &o.x;
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) o[e] = fmaxf(f[e], 0.f) * fmaxf(f[e], 0.f);
-                    if (ok) tk::stg128(out, v[u]), tk::store8(c1 + (int64_t)row * ldc + col, o);
+                    for (int e = 0; e < 4; ++e) {
+                        const __nv_bfloat162 r = __hmax2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]),
+                                                         __float2bfloat162_rn(0.f));
+                        const __nv_bfloat162 q = __hmul2(r, r);
+                        w[e] = *reinterpret_cast<const uint32_t*>(&q);
+                    }
+                    if (ok) tk::stg128(out, v[u]), tk::stg128(c1 + (int64_t)row * ldc + col, o);
                 } else {  // dpre, as the consumers staged it
                     if (ok) tk::stg128(out, v[u]);
                 }
