@@ -143,14 +143,15 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss(float* d, uint64_t da, uint6
 // the 128 accumulator operands of an m64n256 MMA, and their places in its instruction
 #define TK_ACC128(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 #define TK_D128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
-// d (64 x 256) += A (64 x 16, smem) . B (16 x 256, smem), both K-major: B's tile read once for 256
-// columns (the MLP's GEMMs)
-__device__ __forceinline__ void wgmma_m64n256k16_ss(float* d, uint64_t da, uint64_t db) {
+// d (64 x 256) = A (64 x 16, smem) . B (16 x 256, smem) + (accumulate ? d : 0), both K-major: B's tile
+// read once for 256 columns (the MLP's GEMMs). A tile's first MMA takes accumulate = false: no 128
+// registers zeroed before it
+__device__ __forceinline__ void wgmma_m64n256k16_ss(float* d, uint64_t da, uint64_t db, bool accumulate) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " TK_D128 ", %128, %129, p, 1, 1, 0, 0;\n}\n"
         : TK_ACC128(d)
-        : "l"(da), "l"(db));
+        : "l"(da), "l"(db), "r"((int)accumulate));
 }
 __device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -1697,15 +1698,15 @@ __device__ __forceinline__ void produce(const CUtensorMap* ta, const CUtensorMap
     }
 }
 // A consumer's k loop over its tile's stages (q0: the CTA's k-tiles before this tile): wait for each
-// stage's copies, issue mma(the stage's address), and hand the previous stage back once its MMAs are
-// done; at the end the last one's, with acc complete
+// stage's copies, issue mma(the stage's address, whether to add to acc: not on the tile's first), and
+// hand the previous stage back once its MMAs are done; at the end the last one's, with acc complete
 template <typename Mma>
 __device__ __forceinline__ void consume(float* acc, uint32_t base, uint32_t bars, int q0, int KT, int t128, Mma mma) {
     for (int kt = 0; kt < KT; ++kt) {
         const int q = q0 + kt, s = q % STAGES;
         mbar_wait(bars + 8 * s, (q / STAGES) & 1);
         tk::wgmma_fence();
-        mma(base + s * STAGE_BYTES);
+        mma(base + s * STAGE_BYTES, kt > 0);
         tk::wgmma_commit();
         tk::wgmma_wait1();  // the previous stage's MMAs are done: hand its buffers back
         if (kt > 0 && t128 == 0) mbar_arrive(bars + 8 * (STAGES + (q - 1) % STAGES));
@@ -1741,15 +1742,13 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int i = 0;; ++i) {
             const int t = blockIdx.x + i * gridDim.x;
             if (t >= tiles) break;
-            float acc[128];
-#pragma unroll
-            for (int j = 0; j < 128; ++j) acc[j] = 0.f;
-            consume(acc, base, bars, i * KT, KT, t128, [&](uint32_t stage) {
+            float acc[128];  // (the tile's first MMA writes it whole)
+            consume(acc, base, bars, i * KT, KT, t128, [&](uint32_t stage, bool accumulate) {
                 const uint32_t sa = stage + wg * 64 * 128, sb = stage + A_BYTES;
 #pragma unroll
                 for (int kk = 0; kk < BK / 16; ++kk) {
                     const uint64_t da = tk::smem_desc(sa + kk * 32, 16, 1024), db = tk::smem_desc(sb + kk * 32, 16, 1024);
-                    tk::wgmma_m64n256k16_ss(acc, da, db);
+                    tk::wgmma_m64n256k16_ss(acc, da, db, accumulate || kk > 0);
                 }
             });
             // the epilogue has read the last tile's staging (EPI 1: and filled it with this tile's pre)
