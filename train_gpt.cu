@@ -444,6 +444,7 @@ class ProfiledPart {
 };
 
 enum class Op { N, T };  // op(X) = X or X^T
+inline char op_char(Op o) { return o == Op::N ? 'N' : 'T'; }
 constexpr int GEMM_MAX_CANDIDATES = 64;  // the most heuristic candidates a GEMM shape's tuning may time
 
 class Gemms {
@@ -3171,10 +3172,9 @@ const char* Gemms::type_name(cudaDataType t) {
 
 std::string Gemms::key_text(const Key& k) {
     return strprintf("%s,%s,%s %c%c m=%d n=%d k=%d ld=%lld,%lld,%lld fast=%d align=%d,%d,%d batch=%d stride=%lld,%lld,%lld",
-                     type_name(k.ta), type_name(k.tb), type_name(k.tc), k.opa == Op::N ? 'N' : 'T',
-                     k.opb == Op::N ? 'N' : 'T', k.m, k.n, k.k, (long long)k.lda, (long long)k.ldb, (long long)k.ldc,
-                     (int)k.fast_accum, k.align_a, k.align_b, k.align_c, k.batch, (long long)k.stride_a,
-                     (long long)k.stride_b, (long long)k.stride_c);
+                     type_name(k.ta), type_name(k.tb), type_name(k.tc), op_char(k.opa), op_char(k.opb), k.m, k.n, k.k,
+                     (long long)k.lda, (long long)k.ldb, (long long)k.ldc, (int)k.fast_accum, k.align_a, k.align_b,
+                     k.align_c, k.batch, (long long)k.stride_a, (long long)k.stride_b, (long long)k.stride_c);
 }
 
 std::map<std::string, cublasLtMatmulAlgo_t> Gemms::parse_plan(const std::string& text) {
@@ -3220,7 +3220,7 @@ std::string Gemms::describe(const Key& key) {
 }
 
 std::string Gemms::label_text(const Key& k, float beta) {
-    std::string s = strprintf("%s %c%c %dx%dx%d", type_name(k.ta), k.opa == Op::N ? 'N' : 'T', k.opb == Op::N ? 'N' : 'T', k.m, k.n, k.k);
+    std::string s = strprintf("%s %c%c %dx%dx%d", type_name(k.ta), op_char(k.opa), op_char(k.opb), k.m, k.n, k.k);
     if (k.batch > 1) s += strprintf(" (x%d)", k.batch);
     if (k.tc == CUDA_R_32F) s += " -> f32";
     if (beta != 0.f) s += " + C";

@@ -485,7 +485,7 @@ static void gemm_bf16_case(Gemms& gemms, Op opa, Op opb, int m, int n, int k, bo
             got[(size_t)i * n + j] = c_f32 ? g32[(size_t)i * ldc + j] : bf16_to_float(g16[(size_t)i * ldc + j]);
     double e = rel_err_d(got, ref);
     const double tol = c_f32 ? 1e-5 : 1e-2;
-    printf("  gemm bf16 %c%c m %4d n %4d k %4d -> %s%s  rel err %.1e\n", opa == Op::N ? 'N' : 'T', opb == Op::N ? 'N' : 'T',
+    printf("  gemm bf16 %c%c m %4d n %4d k %4d -> %s%s  rel err %.1e\n", op_char(opa), op_char(opb),
            m, n, k, c_f32 ? "fp32" : "bf16", beta != 0.f && c_f32 ? " (+= C)" : "", e);
     CHECK(e < tol, "bf16 gemm m %d n %d k %d differs from the fp64 reference (%.2e)", m, n, k, e);
 }
