@@ -4,6 +4,7 @@
 import io
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -373,7 +374,8 @@ class RecordFolders(unittest.TestCase):
                 readme = f.read()
             groups = [logs.load_group(f"{g}={os.path.join(d, g)}") for g in ("pytorch", "ours")
                       if os.path.isdir(os.path.join(d, g))]
-            spec = logs.parse_phases("150:3,10") if "--phases 150:3,10" in readme else None
+            phases = re.search(r"summarize\.py[^`\n]* --phases (\S+)", readme)  # as the README's command gives them
+            spec = logs.parse_phases(phases.group(1)) if phases else None
             text = summarize.render(groups, 3.28, spec)
             tables = [t for t in text.split("\n\n") if t.startswith("| Group")]
             self.assertEqual(len(tables), 2)
