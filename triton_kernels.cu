@@ -1659,6 +1659,8 @@ static_assert(SMEM <= 232448, "shared memory");
 
 using tk::mbar_arrive, tk::mbar_expect_tx, tk::mbar_init, tk::mbar_wait, tk::tma_load_2d;
 
+__device__ __forceinline__ __nv_bfloat162 relu_pair(__nv_bfloat162 x) { return __hmax2(x, __float2bfloat162_rn(0.f)); }
+
 // The backward's dpre = 2 relu(pre) dpost of a bf16 pair of dpost (v), over the pair of pre at pre_at in
 // shared memory. In bf16x2 arithmetic, three instructions a pair: 2 dpost is exact and the product of
 // two bf16 values is rounded once, as the fp32 product rounded to bf16 is (the same bits)
@@ -1667,7 +1669,7 @@ __device__ __forceinline__ uint32_t dpre_pair(uint32_t v, uint32_t pre_at) {
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(pu) : "r"(pre_at));
     const __nv_bfloat162 g = *reinterpret_cast<const __nv_bfloat162*>(&v);
     const __nv_bfloat162 p = *reinterpret_cast<const __nv_bfloat162*>(&pu);
-    const __nv_bfloat162 d = __hmul2(__hadd2(g, g), __hmax2(p, __float2bfloat162_rn(0.f)));
+    const __nv_bfloat162 d = __hmul2(__hadd2(g, g), relu_pair(p));
     return *reinterpret_cast<const uint32_t*>(&d);
 }
 
@@ -1811,13 +1813,11 @@ __global__ void __launch_bounds__(THREADS, 1)
                 if constexpr (EPI == 0) {  // pre, and post = relu(pre)^2 of the bf16 pre (in bf16x2: the
                                            // exact square rounded once, as in fp32)
                     uint4 o = v[u];
-                    uint32_t* w = &o.x;
+                    __nv_bfloat162* w = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const __nv_bfloat162 r = __hmax2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]),
-                                                         __float2bfloat162_rn(0.f));
-                        const __nv_bfloat162 q = __hmul2(r, r);
-                        w[e] = *reinterpret_cast<const uint32_t*>(&q);
+                        const __nv_bfloat162 r = relu_pair(w[e]);
+                        w[e] = __hmul2(r, r);
                     }
                     if (ok) tk::stg128(out, v[u]), tk::stg128(c1 + (int64_t)row * ldc + col, o);
                 } else {  // dpre, as the consumers staged it
