@@ -3429,12 +3429,8 @@ inline cudaError_t norm_mix_backward(const __nv_bfloat16* dxn, const float* rstd
                                      DeferredSums* deferred = nullptr, NormMixFolds f = {}) {
     if (rows <= 0) return cudaSuccess;
     if (deferred && !(partial = deferred->scalar(ga, ca.scale, gb, cb.scale))) return cudaErrorInvalidValue;
-    if (dy_first)
-        scal::norm_mix_bwd_kernel<true><<<scal::DOT_BLOCKS, 256, 0, stream>>>(dxn, rstd, dx, x, y, dy, rows, ca, cb, partial,
-                                                                              f.add0, f.add1, f.into_dy);
-    else
-        scal::norm_mix_bwd_kernel<false><<<scal::DOT_BLOCKS, 256, 0, stream>>>(dxn, rstd, dx, x, y, dy, rows, ca, cb, partial,
-                                                                               f.add0, f.add1, f.into_dy);
+    const auto kernel = dy_first ? scal::norm_mix_bwd_kernel<true> : scal::norm_mix_bwd_kernel<false>;
+    kernel<<<scal::DOT_BLOCKS, 256, 0, stream>>>(dxn, rstd, dx, x, y, dy, rows, ca, cb, partial, f.add0, f.add1, f.into_dy);
     if (!deferred) scal::finish_kernel<<<1, 64, 0, stream>>>(partial, ga, ca.scale, gb, cb.scale);
     return cudaGetLastError();
 }
