@@ -4,6 +4,8 @@
 //   mpirun -np 2 ./tests/bench_gpu        the optimizer step at world size 2 (NCCL) against world size 1
 //   ./tests/bench_gpu --profile-once T    one forward + backward of T tokens between cudaProfilerStart/Stop
 //                                         (for ncu --profile-from-start off)
+//   ./tests/bench_gpu --dram-mix          DRAM's streaming rate by read/write mix: the ceiling of a
+//                                         memory-bound pass that reads R tensors and writes W
 
 #define TRAIN_GPT_NO_MAIN
 #include "../train_gpt.cu"
@@ -165,6 +167,57 @@ static void profile_once(int T, int ws_short, int ws_long) {
     CUDA_CHECK(cudaProfilerStop());
 }
 
+// A memory-bound pass's ceiling depends on its mix of reads and writes (the DRAM turns its bus around
+// between them): R tensors of n bytes read and W written, 16-byte vectors, streaming (evict-first)
+// loads and stores, at the loop's tensor size (49,152 x 768 bf16) and at 1 GiB (no L2 effects),
+// launches back to back.
+template <int R, int W>
+__global__ void dram_mix_kernel(const uint4* __restrict__ a, uint4* __restrict__ b, size_t n16) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n16; i += (size_t)gridDim.x * blockDim.x) {
+        uint4 s = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const uint4 v = __ldcs(a + r * n16 + i);
+            s.x ^= v.x, s.y ^= v.y, s.z ^= v.z, s.w ^= v.w;
+        }
+#pragma unroll
+        for (int w = 0; w < W; ++w) __stcs(b + w * n16 + i, make_uint4(s.x + w, s.y, s.z, s.w));
+        if (W == 0 && s.x == 0x12345678u && s.y == 1u) b[0] = s;  // (keeps the loads)
+    }
+}
+
+static void bench_dram_mix() {
+    const size_t big = 1ull << 30, loop = (size_t)49152 * MODEL_DIM * 2;
+    uint4 *a, *b;
+    CUDA_CHECK(cudaMalloc(&a, 2 * big));
+    CUDA_CHECK(cudaMalloc(&b, 2 * big));
+    CUDA_CHECK(cudaMemset(a, 1, 2 * big));
+    CUDA_CHECK(cudaMemset(b, 0, 2 * big));
+    printf("DRAM by read/write mix (16-byte streaming loads and stores, 8 CTAs of 256 an SM), TB/s\n");
+    printf("%-18s %12s %12s\n", "tensors", "75.5 MB each", "1 GiB each");
+    auto row = [&](auto kernel, int R, int W) {
+        printf("read %d, write %d  ", R, W);
+        for (size_t n : {loop, big}) {
+            const int reps = n == big ? 2 : 20;  // back to back, as the loop's passes run
+            const float ms = time_ms([&] {
+                for (int i = 0; i < reps; ++i) kernel<<<8 * tk::num_sms(), 256>>>(a, b, n / 16);
+            }) / reps;
+            CUDA_CHECK(cudaGetLastError());
+            printf(" %12.2f", (R + W) * (double)n / (ms * 1e-3) / 1e12);
+        }
+        printf("\n");
+    };
+    row(dram_mix_kernel<1, 0>, 1, 0);
+    row(dram_mix_kernel<2, 0>, 2, 0);
+    row(dram_mix_kernel<0, 1>, 0, 1);
+    row(dram_mix_kernel<1, 1>, 1, 1);
+    row(dram_mix_kernel<2, 1>, 2, 1);
+    row(dram_mix_kernel<1, 2>, 1, 2);
+    row(dram_mix_kernel<2, 2>, 2, 2);
+    CUDA_CHECK(cudaFree(a));
+    CUDA_CHECK(cudaFree(b));
+}
+
 // A whole optimizer step over the record-61 parameters: a NorMuon-only step and an Adam step, at
 // world size 1 and, under mpirun, at this world size over NCCL (each rank updates its shards),
 // with the parts of one more step. The gradients are zero: the kernels do the same work on any
@@ -206,6 +259,10 @@ int main(int argc, char** argv) {
     }
     if ((argc == 3 || argc == 5) && std::string(argv[1]) == "--profile-once") {  // T [ws_short ws_long]
         profile_once(atoi(argv[2]), argc == 5 ? atoi(argv[3]) : 1, argc == 5 ? atoi(argv[4]) : 3);
+        return 0;
+    }
+    if (argc == 2 && std::string(argv[1]) == "--dram-mix") {
+        bench_dram_mix();
         return 0;
     }
     if (argc == 2 && std::string(argv[1]) == "--fused-gemms") {  // that section alone
@@ -281,6 +338,8 @@ int main(int argc, char** argv) {
         for (void* q : {(void*)p, (void*)g, (void*)m, (void*)v}) CUDA_CHECK(cudaFree(q));
     }
     bench_optimizer(1, 0, nullptr);
+    printf("\n");
+    bench_dram_mix();
     MPI_CHECK(MPI_Finalize());
     return 0;
 }
