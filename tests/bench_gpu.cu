@@ -186,34 +186,37 @@ __global__ void dram_mix_kernel(const uint4* __restrict__ a, uint4* __restrict__
     }
 }
 
+// one row of the table: the rate at the loop's tensor size, then at 1 GiB
+template <int R, int W>
+static void dram_mix_row(const uint4* a, uint4* b, size_t loop, size_t big) {
+    printf("read %d, write %d  ", R, W);
+    for (size_t n : {loop, big}) {
+        const int reps = n == big ? 2 : 20;  // back to back, as the loop's passes run
+        const float ms = time_ms([&] {
+            for (int i = 0; i < reps; ++i) dram_mix_kernel<R, W><<<8 * tk::num_sms(), 256>>>(a, b, n / 16);
+        }) / reps;
+        CUDA_CHECK(cudaGetLastError());
+        printf(" %12.2f", (R + W) * (double)n / (ms * 1e-3) / 1e12);
+    }
+    printf("\n");
+}
+
 static void bench_dram_mix() {
     const size_t big = 1ull << 30, loop = (size_t)49152 * MODEL_DIM * 2;
-    uint4 *a, *b;
+    uint4 *a, *b;  // room for two tensors read and two written
     CUDA_CHECK(cudaMalloc(&a, 2 * big));
     CUDA_CHECK(cudaMalloc(&b, 2 * big));
     CUDA_CHECK(cudaMemset(a, 1, 2 * big));
     CUDA_CHECK(cudaMemset(b, 0, 2 * big));
     printf("DRAM by read/write mix (16-byte streaming loads and stores, 8 CTAs of 256 an SM), TB/s\n");
     printf("%-18s %12s %12s\n", "tensors", "75.5 MB each", "1 GiB each");
-    auto row = [&](auto kernel, int R, int W) {
-        printf("read %d, write %d  ", R, W);
-        for (size_t n : {loop, big}) {
-            const int reps = n == big ? 2 : 20;  // back to back, as the loop's passes run
-            const float ms = time_ms([&] {
-                for (int i = 0; i < reps; ++i) kernel<<<8 * tk::num_sms(), 256>>>(a, b, n / 16);
-            }) / reps;
-            CUDA_CHECK(cudaGetLastError());
-            printf(" %12.2f", (R + W) * (double)n / (ms * 1e-3) / 1e12);
-        }
-        printf("\n");
-    };
-    row(dram_mix_kernel<1, 0>, 1, 0);
-    row(dram_mix_kernel<2, 0>, 2, 0);
-    row(dram_mix_kernel<0, 1>, 0, 1);
-    row(dram_mix_kernel<1, 1>, 1, 1);
-    row(dram_mix_kernel<2, 1>, 2, 1);
-    row(dram_mix_kernel<1, 2>, 1, 2);
-    row(dram_mix_kernel<2, 2>, 2, 2);
+    dram_mix_row<1, 0>(a, b, loop, big);
+    dram_mix_row<2, 0>(a, b, loop, big);
+    dram_mix_row<0, 1>(a, b, loop, big);
+    dram_mix_row<1, 1>(a, b, loop, big);
+    dram_mix_row<2, 1>(a, b, loop, big);
+    dram_mix_row<1, 2>(a, b, loop, big);
+    dram_mix_row<2, 2>(a, b, loop, big);
     CUDA_CHECK(cudaFree(a));
     CUDA_CHECK(cudaFree(b));
 }
