@@ -28,7 +28,6 @@
 //     and transposed (the backward's x_f8.T, w_f8.T)
 //   QK norm + rotary (Yarn, YarnPairedHead) + the       qkrope     rope_table (Yarn's cos/sin tables),
 //     key_offset shift: forward / backward                         qk_norm_rope_forward / qk_norm_rope_backward
-//   XXT, ba_plus_cAA (polar_express's iterations)       sym        symmetric_product
 //   polar_express's X / (||X||_F (1 + 2e-2) + 1e-6)     opt        frobenius_normalize
 //   polar_express's X.mT of tall matrices               opt        transpose_bf16
 //   NorMuon momentum (_normuon_update's two lerp_)      opt        nesterov_momentum
@@ -2119,95 +2118,8 @@ inline cudaError_t qk_norm_rope_backward(const qkrope::Params& p, cudaStream_t s
 }
 
 // -----------------------------------------------------------------------------
-// Symmetric products of Polar Express (record 61's XXT and ba_plus_cAA): for each matrix of a
-// batch, C = c X X^T + b A, with X (M x K, bf16, row-major) and optionally A (M x M, symmetric).
-// XXT is (c, b) = (1, 0); b*A + c*A@A is X = A (A A = A A^T as A is symmetric). Only the tiles
-// on and above the diagonal are computed; each is stored twice, mirrored. On the attention's
-// 64 x 128 wgmma tiles: one CTA per 64 x 64 output tile, K in steps of 128, double-buffered.
-// The record's Triton kernels for these: @byronxu99. Polar Express: Noah Amsel, David Persson,
-// Christopher Musco, Robert M. Gower, arXiv 2505.16932.
-
-namespace sym {
-
-struct Params {
-    const __nv_bfloat16* x;  // batch x M x K
-    int64_t x_batch_stride, ldx;
-    const __nv_bfloat16* a;  // batch x M x M, or null (b = 0)
-    int64_t a_batch_stride, lda;
-    __nv_bfloat16* c;        // batch x M x M
-    int64_t c_batch_stride, ldc;
-    int m, k;
-    float alpha, beta;       // C = alpha X X^T + beta A
-};
-
-constexpr int SMEM = 4 * attn::TILE_BYTES + 1024;  // (rows i, rows j) x 2 stages, + alignment
-
-__global__ void __launch_bounds__(attn::THREADS) sym_kernel(const Params p) {
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
-    unsigned char* smem = smem_raw + ((1024 - (tk::smem_u32(smem_raw) & 1023)) & 1023);
-    // blockIdx.x enumerates the upper-triangle tiles (bi <= bj) row by row
-    const int nt = (p.m + 63) / 64;
-    int t = blockIdx.x, bi = 0;
-    while (t >= nt - bi) t -= nt - bi, ++bi;
-    const int bj = bi + t;
-    const int b = blockIdx.y;
-    const __nv_bfloat16* x = p.x + b * p.x_batch_stride;
-    const uint32_t base = tk::smem_u32(smem);
-    auto stage = [&](int s) { return base + s * 2 * attn::TILE_BYTES; };
-    const int steps = p.k / 128;
-    auto load = [&](int s, int step) {
-        attn::load_tile(stage(s), x + step * 128, p.ldx, bi * 64, p.m);
-        attn::load_tile(stage(s) + attn::TILE_BYTES, x + step * 128, p.ldx, bj * 64, p.m);
-        tk::cp_async_commit();
-    };
-    load(0, 0);
-    float acc[8][4] = {};
-    for (int step = 0; step < steps; ++step) {
-        if (step + 1 < steps) {
-            load((step + 1) & 1, step + 1);
-            tk::cp_async_wait<1>();
-        } else {
-            tk::cp_async_wait<0>();
-        }
-        tk::fence_proxy_async();
-        __syncthreads();
-        attn::gemm_abt(acc, stage(step & 1), stage(step & 1) + attn::TILE_BYTES);
-        __syncthreads();  // this stage is refilled next iteration
-    }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __nv_bfloat16* c = p.c + b * p.c_batch_stride;
-    const __nv_bfloat16* a = p.a ? p.a + b * p.a_batch_stride : nullptr;
-#pragma unroll
-    for (int nt8 = 0; nt8 < 8; ++nt8)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int i = bi * 64 + warp * 16 + (lane >> 2) + (e >> 1) * 8;
-            const int j = bj * 64 + nt8 * 8 + (lane & 3) * 2 + (e & 1);
-            // on diagonal tiles only i <= j: C[i][j] and C[j][i] then come from one value
-            if (i >= p.m || j >= p.m || i > j) continue;
-            float v = p.alpha * acc[nt8][e];
-            if (a) v += p.beta * __bfloat162float(a[(int64_t)i * p.lda + j]);
-            const __nv_bfloat16 out = __float2bfloat16(v);
-            c[(int64_t)i * p.ldc + j] = out;
-            c[(int64_t)j * p.ldc + i] = out;
-        }
-}
-
-}  // namespace sym
-
-// k a multiple of 128; batch matrices
-inline cudaError_t symmetric_product(const sym::Params& p, int batch, cudaStream_t stream) {
-    static bool configured = false;
-    if (p.k % 128 || p.m <= 0 || batch <= 0) return cudaErrorInvalidValue;
-    if (cudaError_t e = tk::allow_smem(sym::sym_kernel, sym::SMEM, configured)) return e;
-    const int nt = (p.m + 63) / 64;
-    sym::sym_kernel<<<dim3(nt * (nt + 1) / 2, batch), attn::THREADS, sym::SMEM, stream>>>(p);
-    return cudaGetLastError();
-}
-
-// -----------------------------------------------------------------------------
 // Optimizer kernels (record 61's NorMuonAndAdam, compiled there by torch.compile): Polar Express's
-// input normalisation (its iterations are sym above and cuBLASLt), NorMuon's momentum, variance
+// input normalisation (its iterations are cuBLASLt's, in train_gpt.cu), NorMuon's momentum, variance
 // reduction (arXiv 2510.05491) and cautious weight decay with mantissa tracking, Adam, and the tied
 // embedding's transposes. The record's optimizer contributors include @YouJiacheng,
 // @KonstantinWilleke, @alexrgilbert, @adricarda, @tuttyfrutyee, @vdlad, @ryanyang0, @vagrawal,
