@@ -1645,10 +1645,9 @@ class Model {
 // after Frobenius normalisation (x 1.02 + 1e-6). Coefficients of record 61 (num_iters 5, safety
 // factor 2e-2, cushion 2). The record computes A = X X^T and b A + c A A with Triton kernels
 // (@byronxu99) that make only the tiles on and above the diagonal; here all three products are
-// cuBLASLt's batched GEMMs, whose whole products (twice the tensor work for the two symmetric ones)
-// took 1.06 and 2.11 ms a step's attention and MLP banks where a triangle-only kernel of ours (64 x 64
-// tiles) took 1.63 and 2.54, with the same bits: the symmetric product of a matrix is the same
-// sum over k in the same order either way.
+// cuBLASLt's batched GEMMs: whole products (twice the tensor work for the two symmetric ones) took
+// 1.06 and 2.11 ms for a step's attention and MLP banks where a triangle-only kernel of ours (64 x 64
+// tiles) took 1.63 and 2.54, and a 35-step run's parameters and optimizer state kept their bits.
 static const float polar_express_coeffs[5][3] = {
     {8.156554524902461f, -22.48329292557795f, 15.878769915207462f},
     {4.042929935166739f, -2.808917465908714f, 0.5000178451051316f},
@@ -1692,7 +1691,7 @@ class PolarExpress {
             const float a = polar_express_coeffs[it][0], b = polar_express_coeffs[it][1], c = polar_express_coeffs[it][2];
             gemms.bf16_batched(stream, count, Op::N, Op::T, m, m, n, x, n, mn, x, n, mn, a_, a_, m, mm, 1.f, 0.f);  // A = X X^T
             gemms.bf16_batched(stream, count, Op::N, Op::T, m, m, m, a_, m, mm, a_, m, mm, a_, b_, m, mm, c, b);  // B = b A + c A A
-            gemms.bf16_batched(stream, count, Op::N, Op::N, m, n, m, b_, m, mm, x, n, mn, x, next, n, mn, 1.f, a);
+            gemms.bf16_batched(stream, count, Op::N, Op::N, m, n, m, b_, m, mm, x, n, mn, x, next, n, mn, 1.f, a);  // a X + B X
             std::swap(x, next);
         }
         if (tall) CUDA_CHECK(transpose_bf16(x, out, count, m, n, stream));
