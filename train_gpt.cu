@@ -1643,12 +1643,8 @@ class Model {
 // Polar Express (Amsel, Persson, Musco, Gower, arXiv 2505.16932): 5 fixed iterations
 // X <- a X + (b A + c A A) X with A = X X^T, in bf16, on the wide orientation of each matrix,
 // after Frobenius normalisation (x 1.02 + 1e-6). Coefficients of record 61 (num_iters 5, safety
-// factor 2e-2, cushion 2). The record computes A = X X^T and b A + c A A with Triton kernels
-// (@byronxu99) that make only the tiles on and above the diagonal; here all three products are
-// cuBLASLt's batched GEMMs, whose whole products (twice the tensor work for the two symmetric ones)
-// took 1.06 and 2.11 ms a step's attention and MLP banks where a triangle-only kernel of ours (64 x 64
-// tiles) took 1.63 and 2.54, with the same bits: the symmetric product of a matrix is the same
-// sum over k in the same order either way.
+// factor 2e-2, cushion 2). The symmetric products make only their upper triangles (sym, as the
+// record's Triton kernels); the third is cuBLASLt's batched GEMM.
 static const float polar_express_coeffs[5][3] = {
     {8.156554524902461f, -22.48329292557795f, 15.878769915207462f},
     {4.042929935166739f, -2.808917465908714f, 0.5000178451051316f},
@@ -1690,8 +1686,8 @@ class PolarExpress {
         }
         for (int it = 0; it < 5; ++it) {
             const float a = polar_express_coeffs[it][0], b = polar_express_coeffs[it][1], c = polar_express_coeffs[it][2];
-            gemms.bf16_batched(stream, count, Op::N, Op::T, m, m, n, x, n, mn, x, n, mn, a_, a_, m, mm, 1.f, 0.f);  // A = X X^T
-            gemms.bf16_batched(stream, count, Op::N, Op::T, m, m, m, a_, m, mm, a_, m, mm, a_, b_, m, mm, c, b);  // B = b A + c A A
+            CUDA_CHECK(symmetric_product(x, count, m, n, nullptr, a_, 1.f, 0.f, stream));  // A = X X^T
+            CUDA_CHECK(symmetric_product(a_, count, m, m, a_, b_, c, b, stream));          // B = b A + c A A
             gemms.bf16_batched(stream, count, Op::N, Op::N, m, n, m, b_, m, mm, x, n, mn, x, next, n, mn, 1.f, a);
             std::swap(x, next);
         }

@@ -28,6 +28,7 @@
 //     and transposed (the backward's x_f8.T, w_f8.T)
 //   QK norm + rotary (Yarn, YarnPairedHead) + the       qkrope     rope_table (Yarn's cos/sin tables),
 //     key_offset shift: forward / backward                         qk_norm_rope_forward / qk_norm_rope_backward
+//   XXT, ba_plus_cAA (polar_express's iterations)       sym        symmetric_product
 //   polar_express's X / (||X||_F (1 + 2e-2) + 1e-6)     opt        frobenius_normalize
 //   polar_express's X.mT of tall matrices               opt        transpose_bf16
 //   NorMuon momentum (_normuon_update's two lerp_)      opt        nesterov_momentum
@@ -2118,8 +2119,116 @@ inline cudaError_t qk_norm_rope_backward(const qkrope::Params& p, cudaStream_t s
 }
 
 // -----------------------------------------------------------------------------
+// Symmetric products of Polar Express (record 61's XXT and ba_plus_cAA, Triton kernels by @byronxu99):
+// for each matrix of a batch, C = alpha X X^T + beta A, X (M x K) and A, C (M x M) bf16, row-major,
+// contiguous. XXT is (alpha, beta) = (1, 0); b A + c A A is X = A (A A = A A^T: A is symmetric). Only
+// the 128 x 128 tiles on and above the diagonal are made (21 of 36 at M = 768), each stored twice,
+// mirrored. A CTA a tile: its two warpgroups take 64 rows each against all 128 columns (m64n128 MMAs),
+// the rows of X both need coming by TMA, K in steps of 64, STAGES deep (a diagonal tile copies its
+// rows once: they are both operands). Each element is one sum over K in order, as a whole GEMM
+// makes it (cuBLASLt's batched products gave the same bits at twice the tensor work).
+
+namespace sym {
+
+constexpr int TILE = 128, KSTEP = 64, STAGES = 3, THREADS = 256;
+constexpr int STAGE_BYTES = 2 * TILE * KSTEP * 2;                // rows i, rows j: 32 KB
+constexpr int SMEM = STAGES * STAGE_BYTES + STAGES * 8 + 1024;  // + mbarriers, alignment: 2 CTAs an SM
+
+struct Params {
+    const __nv_bfloat16* a;  // batch x M x M, or null (beta = 0)
+    __nv_bfloat16* c;        // batch x M x M
+    int m, k;
+    float alpha, beta;
+};
+
+// x: the batch's X as one (batch M) x K map of 128-row boxes
+__global__ void __launch_bounds__(THREADS, 2) sym_kernel(const Params p, const __grid_constant__ CUtensorMap x) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024 - (tk::smem_u32(smem_raw) & 1023)) & 1023);
+    // blockIdx.x enumerates the upper-triangle tiles (bi <= bj) row by row
+    const int nt = (p.m + TILE - 1) / TILE;
+    int t = blockIdx.x, bi = 0;
+    while (t >= nt - bi) t -= nt - bi, ++bi;
+    const int bj = bi + t, b = blockIdx.y;
+    const bool diag = bi == bj;
+    const uint32_t base = tk::smem_u32(smem), bars = base + STAGES * STAGE_BYTES;
+    const int steps = (p.k + KSTEP - 1) / KSTEP;
+    // k-step s into its stage (thread 0): rows i, then rows j (rows past the matrix are the next
+    // one's or zeros: their products are not stored)
+    auto load = [&](int s) {
+        if (s >= steps || threadIdx.x != 0) return;
+        const uint32_t dst = base + s % STAGES * STAGE_BYTES, bar = bars + 8 * (s % STAGES);
+        tk::mbar_expect_tx(bar, diag ? STAGE_BYTES / 2 : STAGE_BYTES);
+        tk::tma_load_2d(dst, &x, s * KSTEP, b * p.m + bi * TILE, bar);
+        if (!diag) tk::tma_load_2d(dst + STAGE_BYTES / 2, &x, s * KSTEP, b * p.m + bj * TILE, bar);
+    };
+    if (threadIdx.x == 0) {
+        for (int st = 0; st < STAGES; ++st) tk::mbar_init(bars + 8 * st, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();  // the barriers initialized before anyone waits on them
+    for (int s = 0; s < STAGES - 1; ++s) load(s);
+
+    // each k-step's MMAs stay in flight while the next are issued (as the dQ pass's)
+    const int wg = threadIdx.x >> 7;
+    float acc[16][4] = {};
+    float* d = &acc[0][0];
+    tk::fence_regs<64>(d);
+    for (int s = 0; s < steps; ++s) {
+        const uint32_t sa = base + s % STAGES * STAGE_BYTES, sb = diag ? sa : sa + STAGE_BYTES / 2;
+        tk::mbar_wait(bars + 8 * (s % STAGES), (s / STAGES) & 1);
+        tk::wgmma_fence();
+        const tk::DescBase da(sa + wg * 64 * 128, 16, 1024), db(sb, 16, 1024);
+#pragma unroll
+        for (int kk = 0; kk < KSTEP / 16; ++kk) tk::wgmma_m64n128k16_ss<0>(d, da.at(kk * 32), db.at(kk * 32));
+        tk::wgmma_commit();
+        tk::wgmma_wait1();  // k-step s - 1's MMAs
+        __syncthreads();    // every warpgroup is done with k-step s - 1's stage: k-step s + STAGES - 1 goes there
+        load(s + STAGES - 1);
+    }
+    tk::wgmma_wait_all();
+    tk::fence_regs<64>(d);
+
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    const int64_t mm = (int64_t)p.m * p.m;
+    __nv_bfloat16* c = p.c + b * mm;
+    const __nv_bfloat16* a = p.a ? p.a + b * mm : nullptr;
+#pragma unroll
+    for (int n8 = 0; n8 < 16; ++n8)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i = bi * TILE + wg * 64 + warp * 16 + (lane >> 2) + (e >> 1) * 8;
+            const int j = bj * TILE + n8 * 8 + (lane & 3) * 2 + (e & 1);
+            // on diagonal tiles only i <= j: C[i][j] and C[j][i] then come from one value
+            if (i >= p.m || j >= p.m || i > j) continue;
+            float v = p.alpha * acc[n8][e];
+            if (a) v += p.beta * __bfloat162float(a[(int64_t)i * p.m + j]);
+            const __nv_bfloat16 out = __float2bfloat16(v);
+            c[(int64_t)i * p.m + j] = out;
+            c[(int64_t)j * p.m + i] = out;
+        }
+}
+
+}  // namespace sym
+
+// C = alpha X X^T + beta A for each of `batch` matrices: X batch x m x k, A and C batch x m x m, all
+// contiguous (A read only where beta != 0; C may not overlap X or A); k a multiple of 8 (TMA's rows)
+inline cudaError_t symmetric_product(const __nv_bfloat16* x, int batch, int m, int k, const __nv_bfloat16* a,
+                                     __nv_bfloat16* c, float alpha, float beta, cudaStream_t stream) {
+    if (batch <= 0 || m <= 0 || k <= 0 || k % 8 || (beta != 0.f && !a)) return cudaErrorInvalidValue;
+    static bool configured = false;
+    if (cudaError_t e = tk::allow_smem(sym::sym_kernel, sym::SMEM, configured)) return e;
+    CUtensorMap map;
+    if (tk::make_matrix_map(&map, x, (int64_t)batch * m, k, k, sym::TILE) != CUDA_SUCCESS) return cudaErrorInvalidValue;
+    const int nt = (m + sym::TILE - 1) / sym::TILE;
+    const sym::Params p{beta != 0.f ? a : nullptr, c, m, k, alpha, beta};
+    sym::sym_kernel<<<dim3(nt * (nt + 1) / 2, batch), sym::THREADS, sym::SMEM, stream>>>(p, map);
+    return cudaGetLastError();
+}
+
+// -----------------------------------------------------------------------------
 // Optimizer kernels (record 61's NorMuonAndAdam, compiled there by torch.compile): Polar Express's
-// input normalisation (its iterations are cuBLASLt's, in train_gpt.cu), NorMuon's momentum, variance
+// input normalisation (its iterations are sym above and cuBLASLt), NorMuon's momentum, variance
 // reduction (arXiv 2510.05491) and cautious weight decay with mantissa tracking, Adam, and the tied
 // embedding's transposes. The record's optimizer contributors include @YouJiacheng,
 // @KonstantinWilleke, @alexrgilbert, @adricarda, @tuttyfrutyee, @vdlad, @ryanyang0, @vagrawal,

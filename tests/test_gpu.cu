@@ -725,6 +725,47 @@ static void qkrope_case(int T, bool paired, bool key_offset, uint64_t seed) {
 
 static double rb(double v) { return bf16_to_float(float_to_bf16((float)v)); }  // round to bf16
 
+// symmetric_product (C = alpha X X^T + beta A, upper-triangle tiles mirrored) against fp64 on the
+// bf16 inputs: every element of C written (poisoned first), within bf16's rounding, exactly symmetric
+static void sym_case(int batch, int m, int k, float alpha, float beta, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    std::vector<uint16_t> x((size_t)batch * m * k), a((size_t)batch * m * m);
+    for (auto& v : x) v = float_to_bf16(nd(rng) * 0.1f);
+    for (int b = 0; b < batch; ++b)  // A symmetric, as Polar Express's is
+        for (int i = 0; i < m; ++i)
+            for (int j = i; j < m; ++j)
+                a[((size_t)b * m + i) * m + j] = a[((size_t)b * m + j) * m + i] = float_to_bf16(nd(rng));
+    std::vector<double> ref((size_t)batch * m * m);
+    for (int b = 0; b < batch; ++b)
+        for (int i = 0; i < m; ++i)
+            for (int j = 0; j < m; ++j) {
+                double s = 0;
+                for (int q = 0; q < k; ++q)
+                    s += (double)bf16_to_float(x[((size_t)b * m + i) * k + q]) * bf16_to_float(x[((size_t)b * m + j) * k + q]);
+                ref[((size_t)b * m + i) * m + j] = alpha * s + (beta != 0.f ? beta * bf16_to_float(a[((size_t)b * m + i) * m + j]) : 0.0);
+            }
+    DeviceArray<uint16_t> dx(x), da(a), dc((size_t)batch * m * m);
+    dc.poison();
+    auto bf = [](uint16_t* p) { return reinterpret_cast<__nv_bfloat16*>(p); };
+    CUDA_CHECK(symmetric_product(bf(dx.ptr), batch, m, k, beta != 0.f ? bf(da.ptr) : nullptr, bf(dc.ptr), alpha, beta, 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> c = dc.download();
+    std::vector<double> got(c.size());
+    int64_t asym = 0;
+    for (int b = 0; b < batch; ++b)
+        for (int i = 0; i < m; ++i)
+            for (int j = 0; j < m; ++j) {
+                got[((size_t)b * m + i) * m + j] = bf16_to_float(c[((size_t)b * m + i) * m + j]);
+                asym += c[((size_t)b * m + i) * m + j] != c[((size_t)b * m + j) * m + i];
+            }
+    const double e = rel_err_d(got, ref);
+    printf("  symmetric product %d x %4d x %4d (alpha %g, beta %g)  rel err %.1e, %lld asymmetric\n", batch, m, k, alpha,
+           beta, e, (long long)asym);
+    CHECK(e < 1e-2 && asym == 0, "symmetric product %d x %d x %d differs from fp64 (%.2e) or is not symmetric (%lld)",
+          batch, m, k, e, (long long)asym);
+}
+
 static void polar_express_case(int count, int rows, int cols, uint64_t seed) {
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> nd(0.f, 1.f);
@@ -1783,6 +1824,9 @@ static void add_to_bf16_case(int64_t n, int off, uint64_t seed) {
 }
 
 static void test_optimizer_kernels() {
+    sym_case(3, 200, 136, 1.f, 0.f, 41);     // rows and k past whole tiles and k-steps
+    sym_case(2, 256, 768, -2.5f, 3.f, 42);   // b A + c A A's form
+    sym_case(1, 384, 2304, 1.f, 0.f, 43);    // a long K: the stages go round many times
     polar_express_case(3, 128, 256, 30);
     polar_express_case(2, 384, 128, 31);
     polar_express_case(1, 256, 256, 32);
