@@ -2132,6 +2132,8 @@ namespace sym {
 
 constexpr int TILE = 128, KSTEP = 64, STAGES = 3, THREADS = 256;
 constexpr int STAGE_BYTES = 2 * TILE * KSTEP * 2;                // rows i, rows j: 32 KB
+constexpr int PITCH = TILE + 8;                                  // the output tile's staged rows (elements)
+static_assert(TILE * PITCH * 2 <= STAGES * STAGE_BYTES, "the output tile is staged where the stages were");
 constexpr int SMEM = STAGES * STAGE_BYTES + STAGES * 8 + 1024;  // + mbarriers, alignment: 2 CTAs an SM
 
 struct Params {
@@ -2189,33 +2191,56 @@ __global__ void __launch_bounds__(THREADS, 2) sym_kernel(const Params p, const _
     tk::wgmma_wait_all();
     tk::fence_regs<64>(d);
 
+    // The tile goes out through shared memory (the stages are free once every warpgroup's MMAs are
+    // done): bf16 rows PITCH apart, then C's rows by 16-byte stores and, off the diagonal, the mirror
+    // (tile columns as C's rows) likewise. A diagonal tile writes only r <= q of its values, each at
+    // [r][q] and [q][r], so that C is symmetric to the bit.
+    __syncthreads();
+    uint16_t* tile = reinterpret_cast<uint16_t*>(smem);
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int64_t mm = (int64_t)p.m * p.m;
     __nv_bfloat16* c = p.c + b * mm;
     const __nv_bfloat16* a = p.a ? p.a + b * mm : nullptr;
+    const int rows_i = min(TILE, p.m - bi * TILE), rows_j = min(TILE, p.m - bj * TILE);
 #pragma unroll
     for (int n8 = 0; n8 < 16; ++n8)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int i = bi * TILE + wg * 64 + warp * 16 + (lane >> 2) + (e >> 1) * 8;
-            const int j = bj * TILE + n8 * 8 + (lane & 3) * 2 + (e & 1);
-            // on diagonal tiles only i <= j: C[i][j] and C[j][i] then come from one value
-            if (i >= p.m || j >= p.m || i > j) continue;
+            const int r = wg * 64 + warp * 16 + (lane >> 2) + (e >> 1) * 8, q = n8 * 8 + (lane & 3) * 2 + (e & 1);
+            if (diag && r > q) continue;
             float v = p.alpha * acc[n8][e];
-            if (a) v += p.beta * __bfloat162float(a[(int64_t)i * p.m + j]);
+            if (a && r < rows_i && q < rows_j) v += p.beta * __bfloat162float(a[(int64_t)(bi * TILE + r) * p.m + bj * TILE + q]);
             const __nv_bfloat16 out = __float2bfloat16(v);
-            c[(int64_t)i * p.m + j] = out;
-            c[(int64_t)j * p.m + i] = out;
+            const uint16_t bits = *reinterpret_cast<const uint16_t*>(&out);
+            tile[r * PITCH + q] = bits;
+            if (diag) tile[q * PITCH + r] = bits;
         }
+    __syncthreads();
+    const uint32_t stile = tk::smem_u32(tile);
+    for (int idx = threadIdx.x; idx < TILE * TILE / 8; idx += THREADS) {
+        const int r = idx / (TILE / 8), q = idx % (TILE / 8) * 8;
+        if (r < rows_i && q < rows_j)
+            tk::stg128(c + (int64_t)(bi * TILE + r) * p.m + bj * TILE + q, tk::lds128(stile + (r * PITCH + q) * 2));
+    }
+    if (diag) return;
+    for (int idx = threadIdx.x; idx < TILE * TILE / 8; idx += THREADS) {
+        const int q = idx % TILE, r = idx / TILE * 8;  // a warp's lanes: consecutive columns of the same rows
+        if (q >= rows_j || r >= rows_i) continue;
+        uint32_t w[4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) w[t] = tile[(r + 2 * t) * PITCH + q] | (uint32_t)tile[(r + 2 * t + 1) * PITCH + q] << 16;
+        tk::stg128(c + (int64_t)(bj * TILE + q) * p.m + bi * TILE + r, make_uint4(w[0], w[1], w[2], w[3]));
+    }
 }
 
 }  // namespace sym
 
 // C = alpha X X^T + beta A for each of `batch` matrices: X batch x m x k, A and C batch x m x m, all
-// contiguous (A read only where beta != 0; C may not overlap X or A); k a multiple of 8 (TMA's rows)
+// contiguous (A read only where beta != 0; C may not overlap X or A); m and k multiples of 8 (C's rows
+// go out as 16-byte pieces; X's rows are TMA's)
 inline cudaError_t symmetric_product(const __nv_bfloat16* x, int batch, int m, int k, const __nv_bfloat16* a,
                                      __nv_bfloat16* c, float alpha, float beta, cudaStream_t stream) {
-    if (batch <= 0 || m <= 0 || k <= 0 || k % 8 || (beta != 0.f && !a)) return cudaErrorInvalidValue;
+    if (batch <= 0 || m <= 0 || k <= 0 || m % 8 || k % 8 || (beta != 0.f && !a)) return cudaErrorInvalidValue;
     static bool configured = false;
     if (cudaError_t e = tk::allow_smem(sym::sym_kernel, sym::SMEM, configured)) return e;
     CUtensorMap map;
