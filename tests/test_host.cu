@@ -564,10 +564,12 @@ static TableCounts table_counts() {
 // the scalars: 3 per layer (resid, sa x 2), smear, backout, skip, padded with ones to a multiple of the world size
 static int64_t scalar_count(int world) { return (3 * NUM_LAYERS + 3 + world - 1) / world * world; }
 
-static const ParamConfig& cfg_of(const std::vector<ParamConfig>& cfgs, const std::string& label) {
+// (label a const char*: a std::string parameter made from a literal reads to GCC as a temporary the
+// returned reference might point into)
+static const ParamConfig& cfg_of(const std::vector<ParamConfig>& cfgs, const char* label) {
     for (const ParamConfig& c : cfgs)
         if (c.label == label) return c;
-    fail("no config for " + label);
+    fail(std::string("no config for ") + label);
 }
 
 static void test_sharding() {
