@@ -564,14 +564,6 @@ static TableCounts table_counts() {
 // the scalars: 3 per layer (resid, sa x 2), smear, backout, skip, padded with ones to a multiple of the world size
 static int64_t scalar_count(int world) { return (3 * NUM_LAYERS + 3 + world - 1) / world * world; }
 
-// (label a const char*: a std::string parameter made from a literal reads to GCC as a temporary the
-// returned reference might point into)
-static const ParamConfig& cfg_of(const std::vector<ParamConfig>& cfgs, const char* label) {
-    for (const ParamConfig& c : cfgs)
-        if (c.label == label) return c;
-    fail(std::string("no config for ") + label);
-}
-
 static void test_sharding() {
     Hyperparameters a;
     const TableCounts tc = table_counts();
@@ -590,6 +582,7 @@ static void test_sharding() {
         CHECK(total == expect, "parameter count at world %d: %lld, want %lld", world, (long long)total, (long long)expect);
         for (int rank = 0; rank < world; ++rank) {
             std::vector<ParamConfig> cfgs = build_param_configs(a, params, world, rank);
+            auto cfg = [&](const std::string& label) -> const ParamConfig& { return config_of(cfgs, label, "test_sharding"); };
             CHECK(cfgs.size() == 13, "13 parameters");
             for (const ParamConfig& c : cfgs) {
                 const ParamShape& ps = *std::find_if(params.begin(), params.end(), [&](const ParamShape& p) { return p.label == c.label; });
@@ -599,8 +592,8 @@ static void test_sharding() {
                 CHECK(c.chunk_numel() * (sharded ? world : 1) == ps.numel(), "%s: %lld x %d ranks != %lld", c.label.c_str(),
                       (long long)c.chunk_numel(), world, (long long)ps.numel());
             }
-            const ParamConfig& attn = cfg_of(cfgs, "attn");
-            const ParamConfig& mlp = cfg_of(cfgs, "mlp");
+            const ParamConfig& attn = cfg("attn");
+            const ParamConfig& mlp = cfg("mlp");
             CHECK(attn.chunk_shape == (std::vector<int64_t>{attn_mats / world, 768, 768}) && attn.lr_mul == 1.0 &&
                       attn.second_moment_shape == (std::vector<int64_t>{attn_mats / world, 768, 1}) &&
                       attn.per_matrix_lr_mul.empty(),
@@ -612,11 +605,11 @@ static void test_sharding() {
             for (int64_t i = 0; i < (int64_t)mlp.per_matrix_lr_mul.size(); ++i)
                 cproj &= mlp.per_matrix_lr_mul[i] == ((rank * (mlp_mats / world) + i) % 2 ? 2.0 : 1.0);
             CHECK(cproj, "mlp per-matrix lr (2x on c_proj = odd global index) at world %d rank %d", world, rank);
-            CHECK(cfg_of(cfgs, "ve1").chunk_shape == (std::vector<int64_t>{50304 / world, 768}), "ve shard");
-            CHECK(cfg_of(cfgs, "lm_head").chunk_shape == (std::vector<int64_t>{768 / world, 50304}), "lm_head shard");
-            CHECK(cfg_of(cfgs, "embed").chunk_shape == (std::vector<int64_t>{50304 / world, 768}), "embed shard");
-            CHECK(cfg_of(cfgs, "scalars").chunk_shape == (std::vector<int64_t>{want_scalars}), "scalars replicated");
-            const ParamConfig& ve = cfg_of(cfgs, "ve0");
+            CHECK(cfg("ve1").chunk_shape == (std::vector<int64_t>{50304 / world, 768}), "ve shard");
+            CHECK(cfg("lm_head").chunk_shape == (std::vector<int64_t>{768 / world, 50304}), "lm_head shard");
+            CHECK(cfg("embed").chunk_shape == (std::vector<int64_t>{50304 / world, 768}), "embed shard");
+            CHECK(cfg("scalars").chunk_shape == (std::vector<int64_t>{want_scalars}), "scalars replicated");
+            const ParamConfig& ve = cfg("ve0");
             CHECK(ve.beta1 == 0.75 && ve.beta2 == 0.95 && ve.lr_mul == 75.0 && ve.wd_mul == 5.0 && ve.initial_lr == 0.008 &&
                       ve.eps == 1e-10 && ve.weight_decay == 0.005,
                   "ve0 Adam settings");
