@@ -1646,8 +1646,9 @@ class Model {
 // factor 2e-2, cushion 2). The record computes A = X X^T and b A + c A A with Triton kernels
 // (@byronxu99) that make only the tiles on and above the diagonal; here all three products are
 // cuBLASLt's batched GEMMs: whole products (twice the tensor work for the two symmetric ones) took
-// 1.06 and 2.11 ms for a step's attention and MLP banks where a triangle-only kernel of ours (64 x 64
-// tiles) took 1.63 and 2.54, and a 35-step run's parameters and optimizer state kept their bits.
+// 1.06 and 2.11 ms for a step's attention and MLP banks where triangle-only kernels of ours took
+// 1.63 and 2.54 (64 x 64 tiles) or 1.19 and 2.00 (128 x 128 TMA tiles: the same step total, other
+// bits; records/tried.md), and a 35-step run's parameters and optimizer state kept their bits.
 static const float polar_express_coeffs[5][3] = {
     {8.156554524902461f, -22.48329292557795f, 15.878769915207462f},
     {4.042929935166739f, -2.808917465908714f, 0.5000178451051316f},
