@@ -12,48 +12,44 @@
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
 __device__ __forceinline__ unsigned smid() { unsigned s; asm volatile("mov.u32 %0, %%smid;" : "=r"(s)); return s; }
 constexpr int U = 8;
-__global__ void __launch_bounds__(256) copy_k(const uint4* __restrict__ in, uint4* __restrict__ out, size_t n16, unsigned k, unsigned* counter) {
+// The work of a launch in pieces of `piece` units claimed from a counter, by the blocks on SMs below k
+// only: f(first unit of the piece) for each piece a block claims
+template <typename F>
+__device__ __forceinline__ void pieces(unsigned k, unsigned* counter, size_t piece, size_t n, F f) {
   if (smid() >= k) return;
   __shared__ size_t base;
-  const size_t chunk = 256 * U;
   for (;;) {
-    if (threadIdx.x == 0) base = (size_t)atomicAdd(counter, 1u) * chunk;
+    if (threadIdx.x == 0) base = (size_t)atomicAdd(counter, 1u) * piece;
     __syncthreads(); size_t b = base; __syncthreads();
-    if (b >= n16) break;
+    if (b >= n) return;
+    f(b);
+  }
+}
+__global__ void __launch_bounds__(256) copy_k(const uint4* __restrict__ in, uint4* __restrict__ out, size_t n16, unsigned k, unsigned* counter) {
+  pieces(k, counter, 256 * U, n16, [&](size_t b) {
     uint4 r[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) r[u] = __ldcs(in + b + u * 256 + threadIdx.x);
 #pragma unroll
     for (int u = 0; u < U; ++u) __stcs(out + b + u * 256 + threadIdx.x, r[u]);
-  }
+  });
 }
 __global__ void __launch_bounds__(256) sum_k(const uint4* __restrict__ in, float* out, size_t n16, unsigned k, unsigned* counter) {
-  if (smid() >= k) return;
-  __shared__ size_t base;
-  const size_t chunk = 256 * U;
   float acc = 0.f;
-  for (;;) {
-    if (threadIdx.x == 0) base = (size_t)atomicAdd(counter, 1u) * chunk;
-    __syncthreads(); size_t b = base; __syncthreads();
-    if (b >= n16) break;
+  pieces(k, counter, 256 * U, n16, [&](size_t b) {
     uint4 r[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) r[u] = __ldcs(in + b + u * 256 + threadIdx.x);
 #pragma unroll
     for (int u = 0; u < U; ++u) { const __nv_bfloat162* h = (const __nv_bfloat162*)&r[u];
       for (int j = 0; j < 4; ++j) { float2 f = __bfloat1622float2(h[j]); acc += f.x + f.y; } }
-  }
-  if (acc == 12345.f) out[0] = acc;
+  });
+  if (acc == 12345.f) out[0] = acc;  // (keeps the sum)
 }
 // rmsnorm of 768-wide bf16 rows, a warp a row, 8 rows a warp per claim
 __global__ void __launch_bounds__(256) norm_k(const uint4* __restrict__ in, uint4* __restrict__ out, size_t rows, unsigned k, unsigned* counter) {
-  if (smid() >= k) return;
-  __shared__ size_t base;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (;;) {
-    if (threadIdx.x == 0) base = (size_t)atomicAdd(counter, 1u) * 64;
-    __syncthreads(); size_t b = base; __syncthreads();
-    if (b >= rows) break;
+  pieces(k, counter, 64, rows, [&](size_t b) {
     for (int i = 0; i < 8; ++i) {
       size_t row = b + warp * 8 + i;
       uint4 r[3]; float ss = 0.f;
@@ -66,7 +62,7 @@ __global__ void __launch_bounds__(256) norm_k(const uint4* __restrict__ in, uint
         for (int q = 0; q < 4; ++q) { float2 f = __bfloat1622float2(h[q]); h[q] = __floats2bfloat162_rn(f.x * s, f.y * s); }
         __stcs(out + row * 96 + j * 32 + lane, r[j]); }
     }
-  }
+  });
 }
 __global__ void fill_k(__nv_bfloat16* p, size_t n) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
