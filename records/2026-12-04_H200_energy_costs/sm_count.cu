@@ -72,12 +72,23 @@ __global__ void fill_k(__nv_bfloat16* p, size_t n) {
   }
 }
 int main(int argc, char** argv) {
+  if (argc < 4 || (strcmp(argv[1], "copy") && strcmp(argv[1], "sum") && strcmp(argv[1], "norm"))) {
+    printf("usage: %s copy|sum|norm K SECONDS [BLOCKS_PER_SM]\n", argv[0]);
+    return 1;
+  }
   const char* kern = argv[1]; unsigned k = atoi(argv[2]); double secs = atof(argv[3]); int bps = argc > 4 ? atoi(argv[4]) : 8;
   size_t bytes = 1ull << 30, n16 = bytes / 16, rows = bytes / 1536;
   uint4 *a, *b; unsigned* cnt; float* o;
   CK(cudaMalloc(&a, bytes)); CK(cudaMalloc(&b, bytes)); CK(cudaMalloc(&cnt, 4 * 4096)); CK(cudaMalloc(&o, 4));
-  if (getenv("CONST")) CK(cudaMemset(a, 0x3c, bytes)); else fill_k<<<1024, 256>>>((__nv_bfloat16*)a, bytes / 2); CK(cudaMemset(cnt, 0, 4 * 4096));
-  int grid = 132 * bps;
+  if (getenv("CONST")) CK(cudaMemset(a, 0x3c, bytes));
+  else {
+    fill_k<<<1024, 256>>>((__nv_bfloat16*)a, bytes / 2);
+    CK(cudaGetLastError());
+  }
+  CK(cudaMemset(cnt, 0, 4 * 4096));
+  int sms;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int grid = sms * bps;  // every SM's blocks; those on SMs k and up leave at once
   size_t traffic = !strcmp(kern, "sum") ? bytes : 2 * bytes;
   auto launch = [&](int i) {
     unsigned* c = cnt + (i % 4096);
@@ -85,17 +96,21 @@ int main(int argc, char** argv) {
     if (!strcmp(kern, "copy")) copy_k<<<grid, 256>>>(a, b, n16, k, c);
     else if (!strcmp(kern, "sum")) sum_k<<<grid, 256>>>(a, o, n16, k, c);
     else norm_k<<<grid, 256>>>(a, b, rows - rows % 64, k, c);
+    CK(cudaGetLastError());
   };
   for (int i = 0; i < 20; ++i) launch(i);
   CK(cudaDeviceSynchronize());
-  cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
   auto t0 = std::chrono::steady_clock::now(); int n = 0;
-  cudaEventRecord(e0);
+  CK(cudaEventRecord(e0));
   while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < secs) {
     for (int i = 0; i < 50; ++i) launch(20 + n++);
     CK(cudaDeviceSynchronize());
   }
-  cudaEventRecord(e1); CK(cudaEventSynchronize(e1)); float ms; cudaEventElapsedTime(&ms, e0, e1);
+  CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
+  float ms;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
   double s = ms / 1e3 / n;
   printf("RESULT %s k=%u bps=%d %.1f us/launch %.2f TB/s traffic %.3f GB\n", kern, k, bps, s * 1e6, traffic / s / 1e12, traffic / 1e9);
   return 0;
