@@ -1234,9 +1234,10 @@ inline cudaError_t attention_backward(attn::Params p, cudaStream_t stream, bool 
 // Fused soft-capped cross-entropy with multi-token prediction (record 61's
 // FusedSoftcappedCrossEntropy): z = a * sigmoid((logit + b) / c), lse = log sum exp z, and the row's
 // loss sum_k w_k (lse - z[target[row + k]]) over the k with row + k < rows. Evaluation (weights
-// {1}) gives the plain next-token loss. z < a bounds exp(z), so the sum needs no running maximum.
-// One CTA per row; vocab a multiple of 8 (16-byte loads). In training a second kernel (below)
-// turns the logits and each row's lse into the gradient, already in fp8:
+// {1}) gives the plain next-token loss. z < a bounds exp(z), so the sum needs no running maximum
+// (and a row's sum can be cut in slices, added later). Vocab a multiple of 8 (16-byte loads).
+// Evaluation takes the losses alone; training takes them and the gradient, already in fp8, in one
+// pass over the logits:
 //   dlogit = grad_scale * (sum_k w_k * softmax(z) - sum_k w_k [col == target[row + k]]) * z (1 - z/a) / c
 // The soft-cap, as the record tells it: @Grad62304977 added tanh softcapping following the Gemma 2
 // paper, @KoszarskyB reduced it from 30 to 15, @YouJiacheng shifted it by +15
@@ -1259,10 +1260,8 @@ struct Params {
     float w[MAX_PREDICT];
     float a, b, c;                // soft-cap
     float* losses;                // rows
-    float* lse;                   // rows, or null (the gradient needs it)
-    float grad_scale;             // the gradient's factor (the loss scale)
-    bool fast_softcap;            // the forward's soft-cap on tanh.approx (training; evaluation's
-                                  // losses keep the exact sigmoid)
+    float* lse;                   // rows, or null
+    float grad_scale;             // the gradient's factor (training: the loss scale)
 };
 
 // a / (1 + exp(-(x + b) / c)) with fast reciprocals (nic = -1/c): IEEE divisions here would make
@@ -1294,16 +1293,11 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return red[0];
 }
 
-// ---- forward: each row's loss and lse, one CTA per row ----
+// ---- evaluation: each row's loss and lse, one CTA per row ----
 //
-// Bound by the SFU. Exact (evaluation): exp(softcap(x)) = 2^(a log2e / (1 + 2^(x A1 + B1))), three
-// operations of it per logit. FAST (training): the soft-cap as a (1 + t) / 2 with
-// t = tanh((x + b) / 2c) on tanh.approx (its relative error of 2^-11 on single values leaves the
-// losses within about 2e-6 of the exact ones: the errors of a row's 50K terms average out), and every
-// other exponential on the FMA pipe (tk::poly_exp2): 1.5 SFU operations a logit instead of 2, 299 ->
-// 275 us a chunk of 8192 rows under ncu (neither three of every four nor a warp a row did better).
+// Bound by the SFU: exp(softcap(x)) = 2^(a log2e / (1 + 2^(x A1 + B1))), three operations of it per
+// logit, the soft-cap exact as the record's evaluation takes it (training's pass is below).
 
-template <bool FAST>
 __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) {
     __shared__ float red[THREADS / 32];
     const int row = blockIdx.x;
@@ -1311,21 +1305,12 @@ __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) 
     const int nvec = p.vocab / 8;
     const float nic = -1.f / p.c;
     const float L2E = 1.4426950408889634f, A1 = nic * L2E, B1 = p.b * nic * L2E, aL = p.a * L2E;
-    const TanhCap tc(p);
-    const float hL = tc.h * L2E;
     float sum = 0.f;
     auto add8 = [&](const float f[8]) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            if (FAST) {  // every other exponential on the FMA pipe; its argument z log2e in [0, a log2e]
-                const float y = fmaf(tc.t(f[e]), hL, hL);
-                sum += e & 1 ? tk::poly_exp2(y) : tk::fast_exp2(y);
-            } else {
-                sum += tk::fast_exp2(__fdividef(aL, 1.f + tk::fast_exp2(fmaf(f[e], A1, B1))));
-            }
-        }
+        for (int e = 0; e < 8; ++e) sum += tk::fast_exp2(__fdividef(aL, 1.f + tk::fast_exp2(fmaf(f[e], A1, B1))));
     };
-    auto cap = [&](float x) { return FAST ? fmaf(tc.h, tc.t(x), tc.h) : softcap(p, nic, x); };
+    auto cap = [&](float x) { return softcap(p, nic, x); };
     int v = threadIdx.x;
     for (; v + 3 * THREADS < nvec; v += 4 * THREADS) {  // four loads in flight (64 KB an SM at 4 CTAs)
         float f[4][8];
@@ -1365,100 +1350,106 @@ __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) 
     }
 }
 
-// ---- backward: the gradient, in fp8 for the lm_head's GEMMs ----
+// ---- training: the loss and the gradient in one pass over the logits ----
 //
-// The cross-entropy's gradient straight to fp8 (e5m2, / grad_s), in both layouts the lm_head's
-// backward GEMMs read: g8 (rows x vocab) for d norm(x) = g w^T and g8t (vocab x rows) for
-// d lm_head = x^T g (fp8 GEMMs take K-major operands only). One pass over the logits instead of a
-// bf16 gradient and two casts of it. Rounds through bf16 first, as the record's bf16 gradient does.
-//
-// The SFU bounds the pass about as much as the DRAM does, so it takes two of its operations per logit,
-// not three: the soft-cap as a (1 + t) / 2 with t = tanh((x + b) / 2c) on tanh.approx (relative error
-// 2^-11, a hundred times finer than e5m2's steps; as the training forward's), then one exp2.
-// Everything else is kept out of the inner loop: the row's constants fold into one exponent offset,
-// d = 2^(t a log2e / 2 - off) (1 - t^2) with off = lse log2e - log2(grad_scale wsum a / 4c) - a log2e / 2,
-// and the targets' -w terms are applied only where a thread's 8 columns hold a target. A CTA takes
-// 64 rows and GT tiles of 128 columns; each thread 4 rows x 8 columns, whose 4-row column slices go
-// to shared memory as 32-bit words for the transposed store. The next tile's logits are on their way
-// (cp.async) while this tile is computed and stored.
+// The loss needs each row's lse, the gradient needs it too, and a row's 50K logits do not fit a CTA:
+// as two passes the logits came from DRAM twice (a chunk of 8192 rows: 824 MB a read), and the
+// SFU's work (the soft-cap and the exponential) was done twice. Here a CTA takes a slice of a band of
+// 16 rows (at most 192 x 8 columns), and for each logit x computes t = tanh((x + b) / 2c) (the
+// soft-cap as z = a (1 + t) / 2, on tanh.approx: relative error 2^-11, a hundred times finer than
+// e5m2's steps, and its errors over a row's 50K terms average out in the loss, to about 2e-6 of
+// it) and E = exp(z), every other one on the FMA pipe (tk::poly_exp2): 1.5 SFU operations a logit.
+// It adds its part of each row's sum of E and keeps E (1 - t^2) in shared memory (fp32: 96 KB, two
+// CTAs an SM), publishes the 16 partial sums and waits until every slice of its band has (a counter
+// per band; a band's CTAs are launched together, after the bands before it: none waits on a CTA
+// that cannot start). It then adds the band's partial sums in slice order (the same bits in every
+// CTA, every run) and makes the gradient from what it kept, with no SFU work:
+//   dlogit = grad_scale (wsum softmax(z) - sum_k w_k [col == target[row + k]]) dz/dx
+//          = f E (1 - t^2) - K w_k (1 - t^2) [col == target],  K = grad_scale a / 4c, f = K wsum / exp(lse)
+// as dz/dx = z (1 - z/a) / c = (a/4c) (1 - t^2); the targets' (1 - t^2) are kept in registers.
+// The gradient goes straight to fp8 (e5m2, / grad_s), rounded through bf16 first as the record's
+// bf16 gradient is, in both layouts the lm_head's backward GEMMs read: g8 (rows x vocab) for
+// d norm(x) = g w^T and g8t (vocab x rows) for d lm_head = x^T g (fp8 GEMMs take K-major operands
+// only). Each thread takes 4 rows x 8 columns of each 512-column sub-tile, and alone reads back
+// what it kept; the 4-row column slices of the gradient go into the sub-tile's shared memory as
+// 32-bit words for the transposed store.
 
-constexpr int GR = 64, GC = 128, GT = 4;  // rows, columns per tile; tiles per CTA along the vocabulary
-constexpr int GPITCH = GR + 4;            // bytes per column of the transposed tile (word-aligned)
-// The logits' tiles come by cp.async into shared memory, GSTAGES of them in flight a CTA (this one and
-// the next): each thread copies the 4 x 16 bytes it reads itself, so its own cp.async wait covers
-// them. Held in registers instead (80 of them, 3 CTAs an SM) the pass ran 530 us a chunk of 8192
-// rows under ncu at 3.1 TB/s; by cp.async 488 with 3 stages (3 CTAs an SM), 467 with 2 (64
-// registers, 4 CTAs an SM), 477 / 467 with 8 tiles a CTA.
-constexpr int GSTAGES = 2, GSTAGE_BYTES = GR * GC * 2;
-constexpr int GRAD_SMEM = GSTAGES * GSTAGE_BYTES + 2 * GC * GPITCH;
+constexpr int GR = 16, GC = 512;            // a band's rows; a sub-tile's columns (64 vectors of 8)
+constexpr int GCV = GC / 8;
+constexpr int GPITCH = GR + 4;              // bytes per column of the transposed tile (word-aligned)
+constexpr int SUBTILES = 3, MAX_SLICE_VECS = SUBTILES * GCV;  // a CTA's slice: 192 vectors of 8 columns
+constexpr int SUBTILE_BYTES = GR * GC * 4;  // 32 KB of fp32
+constexpr int TRAIN_SMEM = SUBTILES * SUBTILE_BYTES;
+static_assert(GC * GPITCH <= SUBTILE_BYTES, "the transposed tile takes its sub-tile's place");
 
-// this thread's 4 rows x 8 columns from column col into stage st (zeros past the rows or the vocabulary)
-__device__ __forceinline__ void load_logits(const Params& p, int r0, int col, uint32_t st) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const bool ok = r0 + i < p.rows && col < p.vocab;
-        tk::cp_async16(st + (i * 256 + threadIdx.x) * 16, ok ? p.logits + (int64_t)(r0 + i) * p.ld + col : p.logits,
-                       ok ? 16 : 0);
-    }
+struct Slices {
+    int count, vecs;  // CTAs a band, and each one's 16-byte vectors (the last slice may hold fewer)
+};
+inline Slices slices_of(int vocab) {
+    const int nvec = vocab / 8, count = (nvec + MAX_SLICE_VECS - 1) / MAX_SLICE_VECS;
+    return {count, (nvec + count - 1) / count};
 }
 
-__global__ void __launch_bounds__(256, 4) grad_fp8_kernel(const Params p, uint8_t* g8, int64_t ld8, uint8_t* g8t,
-                                                       int64_t ld8t, float inv_grad_s) {
-    extern __shared__ __align__(16) uint8_t grad_smem[];
-    // the logits' stages, then the transposed tile ([col][row], double-buffered)
-    uint8_t(*tile)[GC * GPITCH] = reinterpret_cast<uint8_t(*)[GC * GPITCH]>(grad_smem + GSTAGES * GSTAGE_BYTES);
-    const uint32_t stages = tk::smem_u32(grad_smem);
-    const int t = threadIdx.x, rg = t / 16, cg = t % 16;
-    const int r0 = blockIdx.y * GR + rg * 4;  // this thread's first row
+__device__ __forceinline__ int ld_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__global__ void __launch_bounds__(256, 2) train_fp8_kernel(const Params p, uint8_t* g8, int64_t ld8, uint8_t* g8t,
+                                                         int64_t ld8t, float inv_grad_s, int* counters, float* partials,
+                                                         const Slices sl) {
+    extern __shared__ __align__(16) uint8_t kept_smem[];  // SUBTILES x [4 rows][256 threads][8 floats]
+    __shared__ float lse_s[GR], red[8][4];
+    const uint32_t base = tk::smem_u32(kept_smem);
+    const int t = threadIdx.x, rg = t / GCV, cg = t % GCV;
+    const int band = blockIdx.y, slice = blockIdx.x;
+    const int rb = band * GR, r0 = rb + rg * 4;               // the band's first row, this thread's
+    const int v0 = slice * sl.vecs, nv = min(sl.vecs, p.vocab / 8 - v0);  // the slice's vectors
+    auto slot = [&](int j, int i) { return base + ((j * 4 + i) * 256 + t) * 32; };
+    uint4 raw[SUBTILES][4];  // every load in flight at once (zeros past the rows and the slice)
+#pragma unroll
+    for (int j = 0; j < SUBTILES; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            raw[j][i] = j * GCV + cg < nv && r0 + i < p.rows
+                            ? __ldcs(reinterpret_cast<const uint4*>(p.logits + (int64_t)(r0 + i) * p.ld +
+                                                                    (int64_t)(v0 + j * GCV + cg) * 8))
+                            : make_uint4(0, 0, 0, 0);
     const float L2E = 1.4426950408889634f;
-    // with t = tanh((x + b) / 2c): z = a (1 + t) / 2 and d softcap / dx = z (1 - z/a) / c = (a/4c) (1 - t^2)
     const TanhCap tc(p);
     const float K = p.grad_scale * 0.25f * p.a / p.c, hL = tc.h * L2E;
-    float off[4];
     int tgt[4][MAX_PREDICT];
+    float wsum[4], tz_tgt[4][MAX_PREDICT];  // 1 - t^2 at the targets this thread holds
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int row = r0 + i;
-        float wsum = 0.f;
+        wsum[i] = 0.f;
 #pragma unroll
         for (int k = 0; k < MAX_PREDICT; ++k) {
             const bool on = row < p.rows && k < p.n_predict && row + k < p.target_rows;
             tgt[i][k] = on ? p.targets[row + k] : -1;
-            if (on) wsum += p.w[k];
+            if (on) wsum[i] += p.w[k];
+            tz_tgt[i][k] = 0.f;
         }
-        off[i] = row < p.rows && wsum > 0.f ? p.lse[row] * L2E - log2f(K * wsum) - hL : INFINITY;  // 2^-inf = 0
     }
-    const int cbase = blockIdx.x * GC * GT;
+    float sum[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < GSTAGES - 1; ++j) {
-        if (j < GT) load_logits(p, r0, cbase + j * GC + cg * 8, stages + j * GSTAGE_BYTES);
-        tk::cp_async_commit();
-    }
-#pragma unroll 1
-    for (int j = 0; j < GT; ++j) {
-        const int c0 = cbase + j * GC, col = c0 + cg * 8;
-        if (c0 >= p.vocab) break;  // the same for the whole CTA
-        // the tile GSTAGES - 1 ahead into the stage this thread read last (an empty group past the CTA's tiles)
-        asm volatile("" ::: "memory");
-        if (j + GSTAGES - 1 < GT)
-            load_logits(p, r0, col + (GSTAGES - 1) * GC, stages + (j + GSTAGES - 1) % GSTAGES * GSTAGE_BYTES);
-        tk::cp_async_commit();
-        tk::cp_async_wait<GSTAGES - 1>();  // this tile's copies (this thread's) have landed
-        uint4 raw[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            raw[i] = *reinterpret_cast<const uint4*>(grad_smem + j % GSTAGES * GSTAGE_BYTES + (i * 256 + t) * 16);
-        uint32_t pk[4][4];         // [row][column pair]: two e5m2 values in the low 16 bits
+    for (int j = 0; j < SUBTILES; ++j) {
+        if (j * GCV + cg >= nv) continue;
+        const int col = (v0 + j * GCV + cg) * 8;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const uint32_t w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
-            float g[8], tz[8];
+            const uint32_t w[4] = {raw[j][i].x, raw[j][i].y, raw[j][i].z, raw[j][i].w};
+            float kept[8], tz[8];
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 const float x = __uint_as_float(e % 2 ? w[e / 2] & 0xffff0000u : w[e / 2] << 16);
-                const float th = tc.t(x);
-                tz[e] = fmaf(-th, th, 1.f);                             // 1 - t^2: d softcap (4c/a)
-                g[e] = tk::fast_exp2(fmaf(th, hL, -off[i])) * tz[e];   // exp(z - lse) K wsum (1 - t^2)
+                const float th = tc.t(x), y = fmaf(th, hL, hL);  // z log2e, in [0, a log2e]
+                const float E = e & 1 ? tk::poly_exp2(y) : tk::fast_exp2(y);
+                sum[i] += E;
+                tz[e] = fmaf(-th, th, 1.f);
+                kept[e] = E * tz[e];
             }
             bool hit = false;
 #pragma unroll
@@ -1468,62 +1459,150 @@ __global__ void __launch_bounds__(256, 4) grad_fp8_kernel(const Params p, uint8_
                 for (int e = 0; e < 8; ++e)
 #pragma unroll
                     for (int k = 0; k < MAX_PREDICT; ++k)
-                        if (col + e == tgt[i][k]) g[e] -= K * p.w[k] * tz[e];
+                        if (col + e == tgt[i][k]) tz_tgt[i][k] = tz[e];
             }
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const float2 gb = __bfloat1622float2(__floats2bfloat162_rn(g[2 * q], g[2 * q + 1]));
-                pk[i][q] = __nv_cvt_float2_to_fp8x2(make_float2(gb.x * inv_grad_s, gb.y * inv_grad_s), __NV_SATFINITE,
-                                                    __NV_E5M2);
-            }
-            if (r0 + i < p.rows && col < p.vocab)
-                *reinterpret_cast<uint2*>(g8 + (int64_t)(r0 + i) * ld8 + col) =
-                    make_uint2(pk[i][0] | pk[i][1] << 16, pk[i][2] | pk[i][3] << 16);
+            const uint32_t s = slot(j, i);
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(s), "f"(kept[0]), "f"(kept[1]), "f"(kept[2]),
+                         "f"(kept[3]) : "memory");
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(s + 16), "f"(kept[4]), "f"(kept[5]),
+                         "f"(kept[6]), "f"(kept[7]) : "memory");
         }
+    }
+    float* band_partials = partials + (int64_t)band * sl.count * GR;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // a row group's 64 threads are two warps: each warp's sum, then the two in order
+        const float s = tk::warp_sum(sum[i]);
+        if ((t & 31) == 0) red[t / 32][i] = s;
+    }
+    __syncthreads();
+    if (t < GR) band_partials[slice * GR + t] = red[t / 4 * 2][t % 4] + red[t / 4 * 2 + 1][t % 4];
+    // every slice of the band has published its sums (as a grid barrier: fence, count, wait, fence)
+    __syncthreads();
+    if (t == 0) {
+        __threadfence();
+        atomicAdd(counters + band, 1);
+        while (ld_acquire(counters + band) < sl.count) __nanosleep(64);
+        __threadfence();
+    }
+    __syncthreads();
+    {  // each row's lse: 16 threads a row, each summing every 16th slice, then the 16 in a fixed order
+        const int row = t / 16, q = t % 16;
+        float total = 0.f;
+#pragma unroll 4
+        for (int s = q; s < sl.count; s += 16) total += __ldcg(band_partials + s * GR + row);
+        total = tk::half_warp_sum(total);
+        const float lse = logf(total);
+        if (q == 0) lse_s[row] = lse;
+        const int grow = rb + row;
+        if (slice == 0 && q == 0 && grow < p.rows) {  // the row's loss: sum_k w_k (lse - z[target k])
+            float loss = 0.f;
+#pragma unroll
+            for (int k = 0; k < MAX_PREDICT; ++k) {
+                if (k >= p.n_predict || grow + k >= p.target_rows) break;
+                const int tg = p.targets[grow + k];
+                if (tg >= 0 && tg < p.vocab)
+                    loss += p.w[k] * (lse - fmaf(tc.h, tc.t(__bfloat162float(p.logits[(int64_t)grow * p.ld + tg])), tc.h));
+            }
+            p.losses[grow] = loss;
+            if (p.lse) p.lse[grow] = lse;
+        }
+    }
+    __syncthreads();
+    float f[4];  // K wsum / exp(lse)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        f[i] = r0 + i < p.rows && wsum[i] > 0.f ? tk::fast_exp2(log2f(K * wsum[i]) - lse_s[rg * 4 + i] * L2E) : 0.f;
+#pragma unroll
+    for (int j = 0; j < SUBTILES; ++j) {
+        if (j * GCV >= nv) break;  // (the same for the whole CTA)
+        const int col = (v0 + j * GCV + cg) * 8;
+        uint32_t pk[4][4] = {};  // [row][column pair]: two e5m2 values in the low 16 bits
+        if (j * GCV + cg < nv) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const uint4 k0 = tk::lds128(slot(j, i)), k1 = tk::lds128(slot(j, i) + 16);
+                const uint32_t kw[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
+                float g[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) g[e] = f[i] * __uint_as_float(kw[e]);
+                bool hit = false;
+#pragma unroll
+                for (int k = 0; k < MAX_PREDICT; ++k) hit |= (unsigned)(tgt[i][k] - col) < 8u;
+                if (hit) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e)
+#pragma unroll
+                        for (int k = 0; k < MAX_PREDICT; ++k)
+                            if (col + e == tgt[i][k]) g[e] -= K * p.w[k] * tz_tgt[i][k];
+                }
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const float2 gb = __bfloat1622float2(__floats2bfloat162_rn(g[2 * q], g[2 * q + 1]));
+                    pk[i][q] = __nv_cvt_float2_to_fp8x2(make_float2(gb.x * inv_grad_s, gb.y * inv_grad_s), __NV_SATFINITE,
+                                                        __NV_E5M2);
+                }
+                if (r0 + i < p.rows)
+                    *reinterpret_cast<uint2*>(g8 + (int64_t)(r0 + i) * ld8 + col) =
+                        make_uint2(pk[i][0] | pk[i][1] << 16, pk[i][2] | pk[i][3] << 16);
+            }
+        }
+        __syncthreads();  // the sub-tile is read: its place takes the transposed tile
         // each column's 4 rows as one word: [row0, row1, row2, row3]
-        uint8_t* buf = tile[j & 1];
+        uint8_t* buf = kept_smem + j * SUBTILE_BYTES;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
             const uint32_t lo01 = __byte_perm(pk[0][q], pk[1][q], 0x5140), lo23 = __byte_perm(pk[2][q], pk[3][q], 0x5140);
             *reinterpret_cast<uint32_t*>(buf + (cg * 8 + 2 * q) * GPITCH + rg * 4) = __byte_perm(lo01, lo23, 0x5410);
             *reinterpret_cast<uint32_t*>(buf + (cg * 8 + 2 * q + 1) * GPITCH + rg * 4) = __byte_perm(lo01, lo23, 0x7632);
         }
-        __syncthreads();  // (double buffering: the next tile writes the other buffer)
-        // transposed: 128 columns x 4 vectors of 16 rows, two passes of 64 columns
-        const int rb = blockIdx.y * GR;
+        __syncthreads();
+        // transposed: 512 columns of 16 rows, two passes of 256 columns
 #pragma unroll
         for (int pass = 0; pass < 2; ++pass) {
-            const int c = pass * 64 + t / 4, r = (t % 4) * 16;
-            if (c0 + c >= p.vocab || rb + r >= p.rows) continue;
+            const int c = pass * 256 + t, r = 0;
+            if (j * GC + c >= nv * 8 || rb >= p.rows) continue;
             const uint32_t* src = reinterpret_cast<const uint32_t*>(buf + c * GPITCH + r);
-            *reinterpret_cast<uint4*>(g8t + (int64_t)(c0 + c) * ld8t + rb + r) = make_uint4(src[0], src[1], src[2], src[3]);
+            *reinterpret_cast<uint4*>(g8t + (int64_t)(v0 * 8 + j * GC + c) * ld8t + rb + r) =
+                make_uint4(src[0], src[1], src[2], src[3]);
         }
     }
-    tk::cp_async_wait<0>();  // (no copy outlives the CTA)
 }
 
 }  // namespace ce
 
-// the rows' losses (and lse where p.lse is set)
+// evaluation: the rows' losses (and lse where p.lse is set), the soft-cap exact
 inline cudaError_t softcapped_cross_entropy(const ce::Params& p, cudaStream_t stream) {
     if (p.vocab % 8 != 0 || p.ld % 8 != 0 || p.n_predict < 1 || p.n_predict > ce::MAX_PREDICT)
         return cudaErrorInvalidValue;
-    if (p.fast_softcap) ce::softcapped_ce_kernel<true><<<p.rows, ce::THREADS, 0, stream>>>(p);
-    else ce::softcapped_ce_kernel<false><<<p.rows, ce::THREADS, 0, stream>>>(p);
+    ce::softcapped_ce_kernel<<<p.rows, ce::THREADS, 0, stream>>>(p);
     return cudaGetLastError();
 }
 
-// p as for softcapped_cross_entropy, with p.lse from it; rows a multiple of 16, vocab of 8,
-// ld8 and ld8t of 16
-inline cudaError_t softcapped_ce_grad_fp8(const ce::Params& p, uint8_t* g8, int64_t ld8, uint8_t* g8t, int64_t ld8t,
-                                          float grad_s, cudaStream_t stream) {
-    if (p.rows % 16 || p.vocab % 8 || p.ld % 8 || ld8 % 16 || ld8t % 16 || !p.lse || p.n_predict < 1 ||
-        p.n_predict > ce::MAX_PREDICT)
+// Workspace bytes for softcapped_ce_train_fp8 on `rows` rows: a counter and the slices' partial sums
+// per band of 64 rows
+inline size_t softcapped_ce_train_workspace(int rows, int vocab) {
+    const size_t bands = (size_t)(rows + ce::GR - 1) / ce::GR;
+    return (bands * 4 + 255) / 256 * 256 + bands * ce::slices_of(vocab).count * ce::GR * 4;
+}
+
+// training: the rows' losses (and lse where p.lse is set) and the gradient of the loss, scaled by
+// p.grad_scale, in e5m2 / grad_s, as g8 (rows x vocab) and g8t (vocab x rows); rows a multiple of 16,
+// vocab of 8, ld8 and ld8t of 16; workspace: softcapped_ce_train_workspace(p.rows, p.vocab) bytes
+inline cudaError_t softcapped_ce_train_fp8(const ce::Params& p, uint8_t* g8, int64_t ld8, uint8_t* g8t, int64_t ld8t,
+                                           float grad_s, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+    if (p.rows % 16 || p.vocab % 8 || p.ld % 8 || ld8 % 16 || ld8t % 16 || p.n_predict < 1 ||
+        p.n_predict > ce::MAX_PREDICT || workspace_bytes < softcapped_ce_train_workspace(p.rows, p.vocab))
         return cudaErrorInvalidValue;
-    dim3 grid((p.vocab + ce::GC * ce::GT - 1) / (ce::GC * ce::GT), (p.rows + ce::GR - 1) / ce::GR);
+    if (p.rows == 0) return cudaSuccess;
+    const int bands = (p.rows + ce::GR - 1) / ce::GR;
+    const ce::Slices sl = ce::slices_of(p.vocab);
+    int* counters = (int*)workspace;
+    float* partials = (float*)((char*)workspace + ((size_t)bands * 4 + 255) / 256 * 256);
+    if (cudaError_t e = cudaMemsetAsync(counters, 0, (size_t)bands * 4, stream)) return e;
     static bool configured = false;
-    if (cudaError_t e = tk::allow_smem(ce::grad_fp8_kernel, ce::GRAD_SMEM, configured)) return e;
-    ce::grad_fp8_kernel<<<grid, 256, ce::GRAD_SMEM, stream>>>(p, g8, ld8, g8t, ld8t, 1.f / grad_s);
+    if (cudaError_t e = tk::allow_smem(ce::train_fp8_kernel, ce::TRAIN_SMEM, configured)) return e;
+    ce::train_fp8_kernel<<<dim3(sl.count, bands), 256, ce::TRAIN_SMEM, stream>>>(p, g8, ld8, g8t, ld8t, 1.f / grad_s,
+                                                                                counters, partials, sl);
     return cudaGetLastError();
 }
 
