@@ -1354,41 +1354,46 @@ __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) 
 //
 // The loss needs each row's lse, the gradient needs it too, and a row's 50K logits do not fit a CTA:
 // as two passes the logits came from DRAM twice (a chunk of 8192 rows: 824 MB a read), and the
-// SFU's work (the soft-cap and the exponential) was done twice. Here a CTA takes a slice of a band of
-// 16 rows (at most 192 x 8 columns), and for each logit x computes t = tanh((x + b) / 2c) (the
-// soft-cap as z = a (1 + t) / 2, on tanh.approx: relative error 2^-11, a hundred times finer than
-// e5m2's steps, and its errors over a row's 50K terms average out in the loss, to about 2e-6 of
-// it) and E = exp(z), every other one on the FMA pipe (tk::poly_exp2): 1.5 SFU operations a logit.
-// It adds its part of each row's sum of E and keeps E (1 - t^2) in shared memory (fp32: 96 KB, two
-// CTAs an SM), publishes the 16 partial sums and waits until every slice of its band has (a counter
-// per band; a band's CTAs are launched together, after the bands before it: none waits on a CTA
-// that cannot start). It then adds the band's partial sums in slice order (the same bits in every
-// CTA, every run) and makes the gradient from what it kept, with no SFU work:
+// SFU's work (the soft-cap and the exponential) was done twice. Here the logits are cut into items,
+// a slice of 512 columns of a band of 32 rows, and for each logit x the pass computes
+// t = tanh((x + b) / 2c) (the soft-cap as z = a (1 + t) / 2, on tanh.approx: relative error 2^-11,
+// a hundred times finer than e5m2's steps, and its errors over a row's 50K terms average out in the
+// loss, to about 2e-6 of it) and E = exp(z), every other one on the FMA pipe (tk::poly_exp2): 1.5
+// SFU operations a logit. An item's first half adds its part of each row's sum of E and keeps
+// E (1 - t^2) in shared memory (fp32, 64 KB), then publishes the 32 partial sums (a counter per
+// band counts them); its second half, once every item of the band has published, adds the band's
+// partial sums in slice order (the same bits in every CTA, every run) and makes the gradient from
+// what it kept, with no SFU work:
 //   dlogit = grad_scale (wsum softmax(z) - sum_k w_k [col == target[row + k]]) dz/dx
 //          = f E (1 - t^2) - K w_k (1 - t^2) [col == target],  K = grad_scale a / 4c, f = K wsum / exp(lse)
 // as dz/dx = z (1 - z/a) / c = (a/4c) (1 - t^2); the targets' (1 - t^2) are kept in registers.
+// Persistent CTAs, one an SM, take items in turn and run them as a pipeline: item m+1's first half,
+// item m+2's loads issued, item m's second half (its band published an item ago, so the wait is
+// short), with two items' kept values in shared memory. An item waits only on items that come
+// before it in the order (a band has at most twice as many items as there are CTAs).
 // The gradient goes straight to fp8 (e5m2, / grad_s), rounded through bf16 first as the record's
 // bf16 gradient is, in both layouts the lm_head's backward GEMMs read: g8 (rows x vocab) for
 // d norm(x) = g w^T and g8t (vocab x rows) for d lm_head = x^T g (fp8 GEMMs take K-major operands
-// only). Each thread takes 4 rows x 8 columns of each 512-column sub-tile, and alone reads back
-// what it kept; the 4-row column slices of the gradient go into the sub-tile's shared memory as
-// 32-bit words for the transposed store.
+// only). Each thread takes 4 rows x 8 columns of each 256-column half of an item and alone reads
+// back what it kept; the 4-row column slices of the gradient go into the half's shared memory as
+// 32-bit words for the transposed store (32 bytes a column: whole sectors).
 
-constexpr int GR = 16, GC = 512;            // a band's rows; a sub-tile's columns (64 vectors of 8)
+constexpr int GR = 32, GC = 256;            // a band's rows; the columns of an item's half (32 vectors of 8)
 constexpr int GCV = GC / 8;
+constexpr int HALVES = 2, ITEM_VECS = HALVES * GCV;  // an item: 64 vectors of 8 columns
 constexpr int GPITCH = GR + 4;              // bytes per column of the transposed tile (word-aligned)
-constexpr int SUBTILES = 3, MAX_SLICE_VECS = SUBTILES * GCV;  // a CTA's slice: 192 vectors of 8 columns
-constexpr int SUBTILE_BYTES = GR * GC * 4;  // 32 KB of fp32
-constexpr int TRAIN_SMEM = SUBTILES * SUBTILE_BYTES;
-static_assert(GC * GPITCH <= SUBTILE_BYTES, "the transposed tile takes its sub-tile's place");
+constexpr int HALF_BYTES = GR * GC * 4;     // 32 KB of fp32
+constexpr int TRAIN_SMEM = 2 * HALVES * HALF_BYTES;  // two items' kept values
+constexpr int TRAIN_THREADS = 256;
+static_assert(GC * GPITCH <= HALF_BYTES, "the transposed tile takes its half's place");
+static_assert(GR / 4 * GCV == TRAIN_THREADS, "a thread takes 4 rows x 8 columns of a half");
 
-struct Slices {
-    int count, vecs;  // CTAs a band, and each one's 16-byte vectors (the last slice may hold fewer)
+struct Items {
+    int slices;  // items a band
+    int bands;
+    __host__ __device__ int total() const { return slices * bands; }
 };
-inline Slices slices_of(int vocab) {
-    const int nvec = vocab / 8, count = (nvec + MAX_SLICE_VECS - 1) / MAX_SLICE_VECS;
-    return {count, (nvec + count - 1) / count};
-}
+inline Items items_of(int rows, int vocab) { return {(vocab / 8 + ITEM_VECS - 1) / ITEM_VECS, (rows + GR - 1) / GR}; }
 
 __device__ __forceinline__ int ld_acquire(const int* p) {
     int v;
@@ -1396,52 +1401,62 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
     return v;
 }
 
-__global__ void __launch_bounds__(256, 2) train_fp8_kernel(const Params p, uint8_t* g8, int64_t ld8, uint8_t* g8t,
-                                                         int64_t ld8t, float inv_grad_s, int* counters, float* partials,
-                                                         const Slices sl) {
-    extern __shared__ __align__(16) uint8_t kept_smem[];  // SUBTILES x [4 rows][256 threads][8 floats]
-    __shared__ float lse_s[GR], red[8][4];
-    const uint32_t base = tk::smem_u32(kept_smem);
-    const int t = threadIdx.x, rg = t / GCV, cg = t % GCV;
-    const int band = blockIdx.y, slice = blockIdx.x;
-    const int rb = band * GR, r0 = rb + rg * 4;               // the band's first row, this thread's
-    const int v0 = slice * sl.vecs, nv = min(sl.vecs, p.vocab / 8 - v0);  // the slice's vectors
-    auto slot = [&](int j, int i) { return base + ((j * 4 + i) * 256 + t) * 32; };
-    uint4 raw[SUBTILES][4];  // every load in flight at once (zeros past the rows and the slice)
-#pragma unroll
-    for (int j = 0; j < SUBTILES; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            raw[j][i] = j * GCV + cg < nv && r0 + i < p.rows
-                            ? __ldcs(reinterpret_cast<const uint4*>(p.logits + (int64_t)(r0 + i) * p.ld +
-                                                                    (int64_t)(v0 + j * GCV + cg) * 8))
-                            : make_uint4(0, 0, 0, 0);
-    const float L2E = 1.4426950408889634f;
-    const TanhCap tc(p);
-    const float K = p.grad_scale * 0.25f * p.a / p.c, hL = tc.h * L2E;
+// an item's place and its row constants, as this thread sees them
+struct ItemView {
+    int band, slice, rb, r0, v0, nv;  // band and slice; the band's first row, this thread's; the item's vectors
+    __device__ ItemView(const Params& p, const Items& it, int item, int rg) {
+        band = item / it.slices, slice = item % it.slices;
+        rb = band * GR, r0 = rb + rg * 4;
+        v0 = slice * ITEM_VECS, nv = min(ITEM_VECS, p.vocab / 8 - v0);
+    }
+};
+
+struct ItemRows {
     int tgt[4][MAX_PREDICT];
     float wsum[4], tz_tgt[4][MAX_PREDICT];  // 1 - t^2 at the targets this thread holds
+};
+
+// the logits of an item's two halves, this thread's 4 rows x 8 columns of each (zeros past the rows
+// and the vocabulary)
+__device__ __forceinline__ void load_item(const Params& p, const ItemView& v, int cg, uint4 (&raw)[HALVES][4]) {
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            raw[h][i] = h * GCV + cg < v.nv && v.r0 + i < p.rows
+                            ? __ldcs(reinterpret_cast<const uint4*>(p.logits + (int64_t)(v.r0 + i) * p.ld +
+                                                                    (int64_t)(v.v0 + h * GCV + cg) * 8))
+                            : make_uint4(0, 0, 0, 0);
+}
+
+// an item's first half: its partial sums published, E (1 - t^2) kept at `kept` (HALVES x [4][256][8] floats)
+__device__ __forceinline__ void item_sums(const Params& p, const Items& it, const ItemView& v, int cg,
+                                          const uint4 (&raw)[HALVES][4], uint32_t kept, ItemRows& ir, float* partials,
+                                          int* counters) {
+    const int t = threadIdx.x;
+    const TanhCap tc(p);
+    const float hL = tc.h * 1.4426950408889634f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const int row = r0 + i;
-        wsum[i] = 0.f;
+        const int row = v.r0 + i;
+        ir.wsum[i] = 0.f;
 #pragma unroll
         for (int k = 0; k < MAX_PREDICT; ++k) {
             const bool on = row < p.rows && k < p.n_predict && row + k < p.target_rows;
-            tgt[i][k] = on ? p.targets[row + k] : -1;
-            if (on) wsum[i] += p.w[k];
-            tz_tgt[i][k] = 0.f;
+            ir.tgt[i][k] = on ? p.targets[row + k] : -1;
+            if (on) ir.wsum[i] += p.w[k];
+            ir.tz_tgt[i][k] = 0.f;
         }
     }
     float sum[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < SUBTILES; ++j) {
-        if (j * GCV + cg >= nv) continue;
-        const int col = (v0 + j * GCV + cg) * 8;
+    for (int h = 0; h < HALVES; ++h) {
+        if (h * GCV + cg >= v.nv) continue;
+        const int col = (v.v0 + h * GCV + cg) * 8;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const uint32_t w[4] = {raw[j][i].x, raw[j][i].y, raw[j][i].z, raw[j][i].w};
-            float kept[8], tz[8];
+            const uint32_t w[4] = {raw[h][i].x, raw[h][i].y, raw[h][i].z, raw[h][i].w};
+            float kv[8], tz[8];
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 const float x = __uint_as_float(e % 2 ? w[e / 2] & 0xffff0000u : w[e / 2] << 16);
@@ -1449,52 +1464,64 @@ __global__ void __launch_bounds__(256, 2) train_fp8_kernel(const Params p, uint8
                 const float E = e & 1 ? tk::poly_exp2(y) : tk::fast_exp2(y);
                 sum[i] += E;
                 tz[e] = fmaf(-th, th, 1.f);
-                kept[e] = E * tz[e];
+                kv[e] = E * tz[e];
             }
             bool hit = false;
 #pragma unroll
-            for (int k = 0; k < MAX_PREDICT; ++k) hit |= (unsigned)(tgt[i][k] - col) < 8u;
+            for (int k = 0; k < MAX_PREDICT; ++k) hit |= (unsigned)(ir.tgt[i][k] - col) < 8u;
             if (hit) {
 #pragma unroll
                 for (int e = 0; e < 8; ++e)
 #pragma unroll
                     for (int k = 0; k < MAX_PREDICT; ++k)
-                        if (col + e == tgt[i][k]) tz_tgt[i][k] = tz[e];
+                        if (col + e == ir.tgt[i][k]) ir.tz_tgt[i][k] = tz[e];
             }
-            const uint32_t s = slot(j, i);
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(s), "f"(kept[0]), "f"(kept[1]), "f"(kept[2]),
-                         "f"(kept[3]) : "memory");
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(s + 16), "f"(kept[4]), "f"(kept[5]),
-                         "f"(kept[6]), "f"(kept[7]) : "memory");
+            const uint32_t s = kept + ((h * 4 + i) * TRAIN_THREADS + t) * 32;
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(s), "f"(kv[0]), "f"(kv[1]), "f"(kv[2]),
+                         "f"(kv[3]) : "memory");
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(s + 16), "f"(kv[4]), "f"(kv[5]), "f"(kv[6]),
+                         "f"(kv[7]) : "memory");
         }
     }
-    float* band_partials = partials + (int64_t)band * sl.count * GR;
+    // a row group is one warp (32 column groups): its sums, published, then counted
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {  // a row group's 64 threads are two warps: each warp's sum, then the two in order
+    for (int i = 0; i < 4; ++i) {
         const float s = tk::warp_sum(sum[i]);
-        if ((t & 31) == 0) red[t / 32][i] = s;
+        if (cg == 0 && v.r0 + i < v.rb + GR) partials[((int64_t)v.band * it.slices + v.slice) * GR + (t / 32) * 4 + i] = s;
     }
-    __syncthreads();
-    if (t < GR) band_partials[slice * GR + t] = red[t / 4 * 2][t % 4] + red[t / 4 * 2 + 1][t % 4];
-    // every slice of the band has published its sums (as a grid barrier: fence, count, wait, fence)
     __syncthreads();
     if (t == 0) {
         __threadfence();
-        atomicAdd(counters + band, 1);
-        while (ld_acquire(counters + band) < sl.count) __nanosleep(64);
+        atomicAdd(counters + v.band, 1);
+    }
+}
+
+// an item's second half, once its band has published: the losses (by slice 0) and the gradient
+__device__ __forceinline__ void item_grad(const Params& p, const Items& it, const ItemView& v, int cg, uint32_t kept,
+                                          uint8_t* kept_ptr, const ItemRows& ir, const float* partials, const int* counters,
+                                          float* lse_s, uint8_t* g8, int64_t ld8, uint8_t* g8t, int64_t ld8t,
+                                          float inv_grad_s) {
+    const int t = threadIdx.x, rg = t / GCV;
+    const TanhCap tc(p);
+    const float L2E = 1.4426950408889634f, K = p.grad_scale * 0.25f * p.a / p.c;
+    if (t == 0) {
+        while (ld_acquire(counters + v.band) < it.slices) __nanosleep(32);
         __threadfence();
     }
     __syncthreads();
-    {  // each row's lse: 16 threads a row, each summing every 16th slice, then the 16 in a fixed order
-        const int row = t / 16, q = t % 16;
+    {  // each row's lse: 8 threads a row, each summing every 8th slice, then the eight in a fixed order
+        const int row = t / 8, q = t % 8;
+        const float* bp = partials + (int64_t)v.band * it.slices * GR + row;
         float total = 0.f;
 #pragma unroll 4
-        for (int s = q; s < sl.count; s += 16) total += __ldcg(band_partials + s * GR + row);
-        total = tk::half_warp_sum(total);
+        for (int s = q; s < it.slices; s += 8) total += __ldcg(bp + s * GR);
+        total += __shfl_xor_sync(0xffffffffu, total, 1);
+        total += __shfl_xor_sync(0xffffffffu, total, 2);
+        total += __shfl_xor_sync(0xffffffffu, total, 4);
         const float lse = logf(total);
         if (q == 0) lse_s[row] = lse;
-        const int grow = rb + row;
-        if (slice == 0 && q == 0 && grow < p.rows) {  // the row's loss: sum_k w_k (lse - z[target k])
+        const int grow = v.rb + row;
+        if (v.slice == 0 && q == 0 && grow < p.rows) {  // the row's loss: sum_k w_k (lse - z[target k])
             float loss = 0.f;
 #pragma unroll
             for (int k = 0; k < MAX_PREDICT; ++k) {
@@ -1511,29 +1538,30 @@ __global__ void __launch_bounds__(256, 2) train_fp8_kernel(const Params p, uint8
     float f[4];  // K wsum / exp(lse)
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-        f[i] = r0 + i < p.rows && wsum[i] > 0.f ? tk::fast_exp2(log2f(K * wsum[i]) - lse_s[rg * 4 + i] * L2E) : 0.f;
+        f[i] = v.r0 + i < p.rows && ir.wsum[i] > 0.f ? tk::fast_exp2(log2f(K * ir.wsum[i]) - lse_s[rg * 4 + i] * L2E) : 0.f;
 #pragma unroll
-    for (int j = 0; j < SUBTILES; ++j) {
-        if (j * GCV >= nv) break;  // (the same for the whole CTA)
-        const int col = (v0 + j * GCV + cg) * 8;
+    for (int h = 0; h < HALVES; ++h) {
+        if (h * GCV >= v.nv) break;  // (the same for the whole CTA)
+        const int col = (v.v0 + h * GCV + cg) * 8;
         uint32_t pk[4][4] = {};  // [row][column pair]: two e5m2 values in the low 16 bits
-        if (j * GCV + cg < nv) {
+        if (h * GCV + cg < v.nv) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const uint4 k0 = tk::lds128(slot(j, i)), k1 = tk::lds128(slot(j, i) + 16);
+                const uint32_t s = kept + ((h * 4 + i) * TRAIN_THREADS + t) * 32;
+                const uint4 k0 = tk::lds128(s), k1 = tk::lds128(s + 16);
                 const uint32_t kw[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
                 float g[8];
 #pragma unroll
                 for (int e = 0; e < 8; ++e) g[e] = f[i] * __uint_as_float(kw[e]);
                 bool hit = false;
 #pragma unroll
-                for (int k = 0; k < MAX_PREDICT; ++k) hit |= (unsigned)(tgt[i][k] - col) < 8u;
+                for (int k = 0; k < MAX_PREDICT; ++k) hit |= (unsigned)(ir.tgt[i][k] - col) < 8u;
                 if (hit) {
 #pragma unroll
                     for (int e = 0; e < 8; ++e)
 #pragma unroll
                         for (int k = 0; k < MAX_PREDICT; ++k)
-                            if (col + e == tgt[i][k]) g[e] -= K * p.w[k] * tz_tgt[i][k];
+                            if (col + e == ir.tgt[i][k]) g[e] -= K * p.w[k] * ir.tz_tgt[i][k];
                 }
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
@@ -1541,14 +1569,14 @@ __global__ void __launch_bounds__(256, 2) train_fp8_kernel(const Params p, uint8
                     pk[i][q] = __nv_cvt_float2_to_fp8x2(make_float2(gb.x * inv_grad_s, gb.y * inv_grad_s), __NV_SATFINITE,
                                                         __NV_E5M2);
                 }
-                if (r0 + i < p.rows)
-                    *reinterpret_cast<uint2*>(g8 + (int64_t)(r0 + i) * ld8 + col) =
+                if (v.r0 + i < p.rows)
+                    *reinterpret_cast<uint2*>(g8 + (int64_t)(v.r0 + i) * ld8 + col) =
                         make_uint2(pk[i][0] | pk[i][1] << 16, pk[i][2] | pk[i][3] << 16);
             }
         }
-        __syncthreads();  // the sub-tile is read: its place takes the transposed tile
+        __syncthreads();  // the half is read: its place takes the transposed tile
         // each column's 4 rows as one word: [row0, row1, row2, row3]
-        uint8_t* buf = kept_smem + j * SUBTILE_BYTES;
+        uint8_t* buf = kept_ptr + h * 4 * TRAIN_THREADS * 32;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
             const uint32_t lo01 = __byte_perm(pk[0][q], pk[1][q], 0x5140), lo23 = __byte_perm(pk[2][q], pk[3][q], 0x5140);
@@ -1556,15 +1584,50 @@ __global__ void __launch_bounds__(256, 2) train_fp8_kernel(const Params p, uint8
             *reinterpret_cast<uint32_t*>(buf + (cg * 8 + 2 * q + 1) * GPITCH + rg * 4) = __byte_perm(lo01, lo23, 0x7632);
         }
         __syncthreads();
-        // transposed: 512 columns of 16 rows, two passes of 256 columns
+        // transposed: 256 columns x 2 vectors of 16 rows
+        {
+            const int c = t / 2, r = (t % 2) * 16;
 #pragma unroll
-        for (int pass = 0; pass < 2; ++pass) {
-            const int c = pass * 256 + t, r = 0;
-            if (j * GC + c >= nv * 8 || rb >= p.rows) continue;
-            const uint32_t* src = reinterpret_cast<const uint32_t*>(buf + c * GPITCH + r);
-            *reinterpret_cast<uint4*>(g8t + (int64_t)(v0 * 8 + j * GC + c) * ld8t + rb + r) =
-                make_uint4(src[0], src[1], src[2], src[3]);
+            for (int pass = 0; pass < 2; ++pass) {
+                const int cc = pass * 128 + c;
+                if (h * GC + cc >= v.nv * 8 || v.rb + r >= p.rows) continue;
+                const uint32_t* src = reinterpret_cast<const uint32_t*>(buf + cc * GPITCH + r);
+                *reinterpret_cast<uint4*>(g8t + (int64_t)(v.v0 * 8 + h * GC + cc) * ld8t + v.rb + r) =
+                    make_uint4(src[0], src[1], src[2], src[3]);
+            }
         }
+    }
+    __syncthreads();  // (the item's shared memory is free for the item after next)
+}
+
+__global__ void __launch_bounds__(TRAIN_THREADS, 1) train_fp8_kernel(const Params p, uint8_t* g8, int64_t ld8, uint8_t* g8t,
+                                                                   int64_t ld8t, float inv_grad_s, int* counters,
+                                                                   float* partials, const Items it) {
+    extern __shared__ __align__(16) uint8_t kept_smem[];  // two items: HALVES x [4 rows][256 threads][8 floats] each
+    __shared__ float lse_s[GR];
+    const uint32_t base = tk::smem_u32(kept_smem);
+    const int t = threadIdx.x, rg = t / GCV, cg = t % GCV;
+    const int total = it.total(), step = gridDim.x;
+    const int first = blockIdx.x;
+    if (first >= total) return;
+    ItemRows now, after;  // the row constants of item m and of item m + 1
+    uint4 raw[HALVES][4];
+    load_item(p, ItemView(p, it, first, rg), cg, raw);
+    item_sums(p, it, ItemView(p, it, first, rg), cg, raw, base, now, partials, counters);
+    if (first + step < total) load_item(p, ItemView(p, it, first + step, rg), cg, raw);
+    // item m (kept in buffer m % 2) waits for its second half; item m + 1's loads are in flight
+    int m = 0;
+    for (int item = first; item < total; item += step, ++m) {
+        const int next = item + step;
+        const int cur = m & 1;
+        if (next < total) {
+            item_sums(p, it, ItemView(p, it, next, rg), cg, raw, base + (cur ^ 1) * HALVES * HALF_BYTES, after, partials,
+                      counters);
+            if (next + step < total) load_item(p, ItemView(p, it, next + step, rg), cg, raw);
+        }
+        item_grad(p, it, ItemView(p, it, item, rg), cg, base + cur * HALVES * HALF_BYTES,
+                  kept_smem + cur * HALVES * HALF_BYTES, now, partials, counters, lse_s, g8, ld8, g8t, ld8t, inv_grad_s);
+        now = after;
     }
 }
 
@@ -1578,11 +1641,11 @@ inline cudaError_t softcapped_cross_entropy(const ce::Params& p, cudaStream_t st
     return cudaGetLastError();
 }
 
-// Workspace bytes for softcapped_ce_train_fp8 on `rows` rows: a counter and the slices' partial sums
-// per band of 64 rows
+// Workspace bytes for softcapped_ce_train_fp8 on `rows` rows: a counter and the items' partial sums
+// per band of 32 rows
 inline size_t softcapped_ce_train_workspace(int rows, int vocab) {
-    const size_t bands = (size_t)(rows + ce::GR - 1) / ce::GR;
-    return (bands * 4 + 255) / 256 * 256 + bands * ce::slices_of(vocab).count * ce::GR * 4;
+    const ce::Items it = ce::items_of(rows, vocab);
+    return ((size_t)it.bands * 4 + 255) / 256 * 256 + (size_t)it.total() * ce::GR * 4;
 }
 
 // training: the rows' losses (and lse where p.lse is set) and the gradient of the loss, scaled by
@@ -1594,15 +1657,18 @@ inline cudaError_t softcapped_ce_train_fp8(const ce::Params& p, uint8_t* g8, int
         p.n_predict > ce::MAX_PREDICT || workspace_bytes < softcapped_ce_train_workspace(p.rows, p.vocab))
         return cudaErrorInvalidValue;
     if (p.rows == 0) return cudaSuccess;
-    const int bands = (p.rows + ce::GR - 1) / ce::GR;
-    const ce::Slices sl = ce::slices_of(p.vocab);
+    const ce::Items it = ce::items_of(p.rows, p.vocab);
+    // every CTA resident (one an SM), and a band's items at most twice the CTAs: an item waits only
+    // on items before it
+    const int ctas = std::min(tk::num_sms(), it.total());
+    if (it.slices > 2 * ctas && it.bands > 1) return cudaErrorInvalidValue;
     int* counters = (int*)workspace;
-    float* partials = (float*)((char*)workspace + ((size_t)bands * 4 + 255) / 256 * 256);
-    if (cudaError_t e = cudaMemsetAsync(counters, 0, (size_t)bands * 4, stream)) return e;
+    float* partials = (float*)((char*)workspace + ((size_t)it.bands * 4 + 255) / 256 * 256);
+    if (cudaError_t e = cudaMemsetAsync(counters, 0, (size_t)it.bands * 4, stream)) return e;
     static bool configured = false;
     if (cudaError_t e = tk::allow_smem(ce::train_fp8_kernel, ce::TRAIN_SMEM, configured)) return e;
-    ce::train_fp8_kernel<<<dim3(sl.count, bands), 256, ce::TRAIN_SMEM, stream>>>(p, g8, ld8, g8t, ld8t, 1.f / grad_s,
-                                                                                counters, partials, sl);
+    ce::train_fp8_kernel<<<ctas, ce::TRAIN_THREADS, ce::TRAIN_SMEM, stream>>>(p, g8, ld8, g8t, ld8t, 1.f / grad_s,
+                                                                             counters, partials, it);
     return cudaGetLastError();
 }
 
