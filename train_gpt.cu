@@ -1138,9 +1138,7 @@ class Model {
         logits_ = bf((int64_t)logit_rows_ * V);
         gf8_ = alloc<uint8_t>((int64_t)logit_rows_ * V), gf8t_ = alloc<uint8_t>((int64_t)logit_rows_ * V);
         lm_grad_ = alloc<float>(V * D);
-        losses_ = alloc<float>(TE), loss_ = alloc<float>(1), bad_ = alloc<int>(1);
-        ce_ws_bytes_ = softcapped_ce_train_workspace(logit_rows_, (int)V);
-        ce_ws_ = alloc<unsigned char>((int64_t)ce_ws_bytes_);
+        losses_ = alloc<float>(TE), lse_ = alloc<float>(logit_rows_), loss_ = alloc<float>(1), bad_ = alloc<int>(1);
         // backward workspaces
         dx_ = bf(T * D), dx0_ = bf(T * D), dskip_ = bf(T * D), dback_ = bf(T * D), dxn_ = bf(T * D);
         dy_ = bf(T * D), dyg_ = bf(T * D), dq_ = bf(T * D), dk_ = bf(T * D), dqkv_ = bf(T * 3 * D);
@@ -1554,22 +1552,20 @@ class Model {
             for (size_t k = 0; k < w.size(); ++k) cp.w[k] = w[k];
             cp.a = (float)args_.softcap_a, cp.b = (float)args_.softcap_b, cp.c = (float)args_.softcap_c;
             cp.losses = losses_ + r0;
-            cp.grad_scale = fa_.loss_scale;
+            cp.lse = training ? lse_ : nullptr, cp.grad_scale = fa_.loss_scale, cp.fast_softcap = training;
             if (training)
                 gemms_.fp8(s, rows, V, D, xf8_ + (int64_t)r0 * D, CUDA_R_8F_E4M3, D, wf8t_, CUDA_R_8F_E4M3, D, logits_, V,
                            false, scales_[0], scales_[1], true);
             else
                 gemms_.bf16(s, Op::N, Op::N, rows, V, D, xn_ + (int64_t)r0 * D, D, lm_head, V, logits_, V, false);
             profile_mark(Part::Loss, s);
-            if (!training) {
-                CUDA_CHECK(softcapped_cross_entropy(cp, s));
-                profile_mark(Part::Head, s);
-                continue;
+            CUDA_CHECK(softcapped_cross_entropy(cp, s));
+            if (training) {  // the gradient of the logits, e5m2, in the two layouts of the GEMMs below
+                side_wait(ev_head_, s);  // (the last chunk's weight gradient has read g^T)
+                CUDA_CHECK(softcapped_ce_grad_fp8(cp, gf8_, V, gf8t_, rows, (float)args_.lm_head_grad_s, s));
             }
-            // the losses and the gradient of the logits, e5m2, in the two layouts of the GEMMs below
-            side_wait(ev_head_, s);  // (the last chunk's weight gradient has read g^T)
-            CUDA_CHECK(softcapped_ce_train_fp8(cp, gf8_, V, gf8t_, rows, (float)args_.lm_head_grad_s, ce_ws_, ce_ws_bytes_, s));
             profile_mark(Part::Head, s);
+            if (!training) continue;
             // d norm(x) = g w^T; d lm_head = x^T g (fp32, as the record's grad_w: the first chunk writes it)
             gemms_.fp8(s, rows, D, V, gf8_, CUDA_R_8F_E5M2, V, wf8_, CUDA_R_8F_E4M3, V, dxn_head_ + (int64_t)r0 * D, D,
                        false, scales_[2], scales_[1], false);
@@ -1613,9 +1609,7 @@ class Model {
     __nv_bfloat162* rope_ = nullptr;  // the rotary table for rope_freq_
     int rope_positions_ = 0;
     std::vector<float> rope_freq_;
-    float *rstd0_, *rstd_f_, *losses_, *loss_, *lm_grad_, *scales_[3];  // x_s, w_s, grad_s
-    unsigned char* ce_ws_;  // the training loss's workspace (softcapped_ce_train_fp8)
-    size_t ce_ws_bytes_ = 0;
+    float *rstd0_, *rstd_f_, *losses_, *lse_, *loss_, *lm_grad_, *scales_[3];  // x_s, w_s, grad_s
     int* bad_;  // the first layer whose output was not finite, or -1
     // attention's tile schedules, one per head layout and window (schedule_slot): the forward makes
     // each where a layer first needs it, the backward reuses them

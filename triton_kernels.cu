@@ -1234,10 +1234,9 @@ inline cudaError_t attention_backward(attn::Params p, cudaStream_t stream, bool 
 // Fused soft-capped cross-entropy with multi-token prediction (record 61's
 // FusedSoftcappedCrossEntropy): z = a * sigmoid((logit + b) / c), lse = log sum exp z, and the row's
 // loss sum_k w_k (lse - z[target[row + k]]) over the k with row + k < rows. Evaluation (weights
-// {1}) gives the plain next-token loss. z < a bounds exp(z), so the sum needs no running maximum
-// (and a row's sum can be cut in slices, added later). Vocab a multiple of 8 (16-byte loads).
-// Evaluation takes the losses alone; training takes them and the gradient, already in fp8, in one
-// pass over the logits:
+// {1}) gives the plain next-token loss. z < a bounds exp(z), so the sum needs no running maximum.
+// One CTA per row; vocab a multiple of 8 (16-byte loads). In training a second kernel (below)
+// turns the logits and each row's lse into the gradient, already in fp8:
 //   dlogit = grad_scale * (sum_k w_k * softmax(z) - sum_k w_k [col == target[row + k]]) * z (1 - z/a) / c
 // The soft-cap, as the record tells it: @Grad62304977 added tanh softcapping following the Gemma 2
 // paper, @KoszarskyB reduced it from 30 to 15, @YouJiacheng shifted it by +15
@@ -1260,8 +1259,10 @@ struct Params {
     float w[MAX_PREDICT];
     float a, b, c;                // soft-cap
     float* losses;                // rows
-    float* lse;                   // rows, or null
-    float grad_scale;             // the gradient's factor (training: the loss scale)
+    float* lse;                   // rows, or null (the gradient needs it)
+    float grad_scale;             // the gradient's factor (the loss scale)
+    bool fast_softcap;            // the forward's soft-cap on tanh.approx (training; evaluation's
+                                  // losses keep the exact sigmoid)
 };
 
 // a / (1 + exp(-(x + b) / c)) with fast reciprocals (nic = -1/c): IEEE divisions here would make
@@ -1293,11 +1294,16 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return red[0];
 }
 
-// ---- evaluation: each row's loss and lse, one CTA per row ----
+// ---- forward: each row's loss and lse, one CTA per row ----
 //
-// Bound by the SFU: exp(softcap(x)) = 2^(a log2e / (1 + 2^(x A1 + B1))), three operations of it per
-// logit, the soft-cap exact as the record's evaluation takes it (training's pass is below).
+// Bound by the SFU. Exact (evaluation): exp(softcap(x)) = 2^(a log2e / (1 + 2^(x A1 + B1))), three
+// operations of it per logit. FAST (training): the soft-cap as a (1 + t) / 2 with
+// t = tanh((x + b) / 2c) on tanh.approx (its relative error of 2^-11 on single values leaves the
+// losses within about 2e-6 of the exact ones: the errors of a row's 50K terms average out), and every
+// other exponential on the FMA pipe (tk::poly_exp2): 1.5 SFU operations a logit instead of 2, 299 ->
+// 275 us a chunk of 8192 rows under ncu (neither three of every four nor a warp a row did better).
 
+template <bool FAST>
 __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) {
     __shared__ float red[THREADS / 32];
     const int row = blockIdx.x;
@@ -1305,12 +1311,21 @@ __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) 
     const int nvec = p.vocab / 8;
     const float nic = -1.f / p.c;
     const float L2E = 1.4426950408889634f, A1 = nic * L2E, B1 = p.b * nic * L2E, aL = p.a * L2E;
+    const TanhCap tc(p);
+    const float hL = tc.h * L2E;
     float sum = 0.f;
     auto add8 = [&](const float f[8]) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) sum += tk::fast_exp2(__fdividef(aL, 1.f + tk::fast_exp2(fmaf(f[e], A1, B1))));
+        for (int e = 0; e < 8; ++e) {
+            if (FAST) {  // every other exponential on the FMA pipe; its argument z log2e in [0, a log2e]
+                const float y = fmaf(tc.t(f[e]), hL, hL);
+                sum += e & 1 ? tk::poly_exp2(y) : tk::fast_exp2(y);
+            } else {
+                sum += tk::fast_exp2(__fdividef(aL, 1.f + tk::fast_exp2(fmaf(f[e], A1, B1))));
+            }
+        }
     };
-    auto cap = [&](float x) { return softcap(p, nic, x); };
+    auto cap = [&](float x) { return FAST ? fmaf(tc.h, tc.t(x), tc.h) : softcap(p, nic, x); };
     int v = threadIdx.x;
     for (; v + 3 * THREADS < nvec; v += 4 * THREADS) {  // four loads in flight (64 KB an SM at 4 CTAs)
         float f[4][8];
@@ -1350,325 +1365,165 @@ __global__ void __launch_bounds__(THREADS) softcapped_ce_kernel(const Params p) 
     }
 }
 
-// ---- training: the loss and the gradient in one pass over the logits ----
+// ---- backward: the gradient, in fp8 for the lm_head's GEMMs ----
 //
-// The loss needs each row's lse, the gradient needs it too, and a row's 50K logits do not fit a CTA:
-// as two passes the logits came from DRAM twice (a chunk of 8192 rows: 824 MB a read), and the
-// SFU's work (the soft-cap and the exponential) was done twice. Here the logits are cut into items,
-// a slice of 512 columns of a band of 32 rows, and for each logit x the pass computes
-// t = tanh((x + b) / 2c) (the soft-cap as z = a (1 + t) / 2, on tanh.approx: relative error 2^-11,
-// a hundred times finer than e5m2's steps, and its errors over a row's 50K terms average out in the
-// loss, to about 2e-6 of it) and E = exp(z), every other one on the FMA pipe (tk::poly_exp2): 1.5
-// SFU operations a logit. An item's first half adds its part of each row's sum of E and keeps
-// E (1 - t^2) in shared memory (fp32, 64 KB), then publishes the 32 partial sums (a counter per
-// band counts them); its second half, once every item of the band has published, adds the band's
-// partial sums in slice order (the same bits in every CTA, every run) and makes the gradient from
-// what it kept, with no SFU work:
-//   dlogit = grad_scale (wsum softmax(z) - sum_k w_k [col == target[row + k]]) dz/dx
-//          = f E (1 - t^2) - K w_k (1 - t^2) [col == target],  K = grad_scale a / 4c, f = K wsum / exp(lse)
-// as dz/dx = z (1 - z/a) / c = (a/4c) (1 - t^2); the targets' (1 - t^2) are kept in registers.
-// Persistent CTAs, one an SM, take items in turn and run them as a pipeline: item m+1's first half,
-// item m+2's loads issued, item m's second half (its band published an item ago, so the wait is
-// short), with two items' kept values in shared memory. An item waits only on items that come
-// before it in the order (a band has at most twice as many items as there are CTAs).
-// The gradient goes straight to fp8 (e5m2, / grad_s), rounded through bf16 first as the record's
-// bf16 gradient is, in both layouts the lm_head's backward GEMMs read: g8 (rows x vocab) for
-// d norm(x) = g w^T and g8t (vocab x rows) for d lm_head = x^T g (fp8 GEMMs take K-major operands
-// only). Each thread takes 4 rows x 8 columns of each 256-column half of an item and alone reads
-// back what it kept; the 4-row column slices of the gradient go into the half's shared memory as
-// 32-bit words for the transposed store (32 bytes a column: whole sectors).
+// The cross-entropy's gradient straight to fp8 (e5m2, / grad_s), in both layouts the lm_head's
+// backward GEMMs read: g8 (rows x vocab) for d norm(x) = g w^T and g8t (vocab x rows) for
+// d lm_head = x^T g (fp8 GEMMs take K-major operands only). One pass over the logits instead of a
+// bf16 gradient and two casts of it. Rounds through bf16 first, as the record's bf16 gradient does.
+//
+// The SFU bounds the pass about as much as the DRAM does, so it takes two of its operations per logit,
+// not three: the soft-cap as a (1 + t) / 2 with t = tanh((x + b) / 2c) on tanh.approx (relative error
+// 2^-11, a hundred times finer than e5m2's steps; as the training forward's), then one exp2.
+// Everything else is kept out of the inner loop: the row's constants fold into one exponent offset,
+// d = 2^(t a log2e / 2 - off) (1 - t^2) with off = lse log2e - log2(grad_scale wsum a / 4c) - a log2e / 2,
+// and the targets' -w terms are applied only where a thread's 8 columns hold a target. A CTA takes
+// 64 rows and GT tiles of 128 columns; each thread 4 rows x 8 columns, whose 4-row column slices go
+// to shared memory as 32-bit words for the transposed store. The next tile's logits are on their way
+// (cp.async) while this tile is computed and stored.
 
-constexpr int GR = 32, GC = 256;            // a band's rows; the columns of an item's half (32 vectors of 8)
-constexpr int GCV = GC / 8;
-constexpr int HALVES = 2, ITEM_VECS = HALVES * GCV;  // an item: 64 vectors of 8 columns
-constexpr int GPITCH = GR + 4;              // bytes per column of the transposed tile (word-aligned)
-constexpr int HALF_BYTES = GR * GC * 4;     // 32 KB of fp32
-constexpr int TRAIN_SMEM = 2 * HALVES * HALF_BYTES;  // two items' kept values
-constexpr int TRAIN_THREADS = 256;
-static_assert(GC * GPITCH <= HALF_BYTES, "the transposed tile takes its half's place");
-static_assert(GR / 4 * GCV == TRAIN_THREADS, "a thread takes 4 rows x 8 columns of a half");
+constexpr int GR = 64, GC = 128, GT = 4;  // rows, columns per tile; tiles per CTA along the vocabulary
+constexpr int GPITCH = GR + 4;            // bytes per column of the transposed tile (word-aligned)
+// The logits' tiles come by cp.async into shared memory, GSTAGES of them in flight a CTA (this one and
+// the next): each thread copies the 4 x 16 bytes it reads itself, so its own cp.async wait covers
+// them. Held in registers instead (80 of them, 3 CTAs an SM) the pass ran 530 us a chunk of 8192
+// rows under ncu at 3.1 TB/s; by cp.async 488 with 3 stages (3 CTAs an SM), 467 with 2 (64
+// registers, 4 CTAs an SM), 477 / 467 with 8 tiles a CTA.
+constexpr int GSTAGES = 2, GSTAGE_BYTES = GR * GC * 2;
+constexpr int GRAD_SMEM = GSTAGES * GSTAGE_BYTES + 2 * GC * GPITCH;
 
-struct Items {
-    int slices;  // items a band
-    int bands;
-    __host__ __device__ int total() const { return slices * bands; }
-};
-inline Items items_of(int rows, int vocab) { return {(vocab / 8 + ITEM_VECS - 1) / ITEM_VECS, (rows + GR - 1) / GR}; }
-
-__device__ __forceinline__ int ld_acquire(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-// an item's place and its row constants, as this thread sees them
-struct ItemView {
-    int band, slice, rb, r0, v0, nv;  // band and slice; the band's first row, this thread's; the item's vectors
-    __device__ ItemView(const Params& p, const Items& it, int item, int rg) {
-        band = item / it.slices, slice = item % it.slices;
-        rb = band * GR, r0 = rb + rg * 4;
-        v0 = slice * ITEM_VECS, nv = min(ITEM_VECS, p.vocab / 8 - v0);
-    }
-};
-
-struct ItemRows {
-    int tgt[4][MAX_PREDICT];
-    float wsum[4], tz_tgt[4][MAX_PREDICT];  // 1 - t^2 at the targets this thread holds
-};
-
-// the logits of an item's two halves, this thread's 4 rows x 8 columns of each (zeros past the rows
-// and the vocabulary)
-__device__ __forceinline__ void load_item(const Params& p, const ItemView& v, int cg, uint4 (&raw)[HALVES][4]) {
-#pragma unroll
-    for (int h = 0; h < HALVES; ++h)
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            raw[h][i] = h * GCV + cg < v.nv && v.r0 + i < p.rows
-                            ? __ldcs(reinterpret_cast<const uint4*>(p.logits + (int64_t)(v.r0 + i) * p.ld +
-                                                                    (int64_t)(v.v0 + h * GCV + cg) * 8))
-                            : make_uint4(0, 0, 0, 0);
-}
-
-// an item's first half: its partial sums published, E (1 - t^2) kept at `kept` (HALVES x [4][256][8] floats)
-__device__ __forceinline__ void item_sums(const Params& p, const Items& it, const ItemView& v, int cg,
-                                          const uint4 (&raw)[HALVES][4], uint32_t kept, ItemRows& ir, float* partials,
-                                          int* counters) {
-    const int t = threadIdx.x;
-    const TanhCap tc(p);
-    const float hL = tc.h * 1.4426950408889634f;
+// this thread's 4 rows x 8 columns from column col into stage st (zeros past the rows or the vocabulary)
+__device__ __forceinline__ void load_logits(const Params& p, int r0, int col, uint32_t st) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const int row = v.r0 + i;
-        ir.wsum[i] = 0.f;
+        const bool ok = r0 + i < p.rows && col < p.vocab;
+        tk::cp_async16(st + (i * 256 + threadIdx.x) * 16, ok ? p.logits + (int64_t)(r0 + i) * p.ld + col : p.logits,
+                       ok ? 16 : 0);
+    }
+}
+
+__global__ void __launch_bounds__(256, 4) grad_fp8_kernel(const Params p, uint8_t* g8, int64_t ld8, uint8_t* g8t,
+                                                       int64_t ld8t, float inv_grad_s) {
+    extern __shared__ __align__(16) uint8_t grad_smem[];
+    // the logits' stages, then the transposed tile ([col][row], double-buffered)
+    uint8_t(*tile)[GC * GPITCH] = reinterpret_cast<uint8_t(*)[GC * GPITCH]>(grad_smem + GSTAGES * GSTAGE_BYTES);
+    const uint32_t stages = tk::smem_u32(grad_smem);
+    const int t = threadIdx.x, rg = t / 16, cg = t % 16;
+    const int r0 = blockIdx.y * GR + rg * 4;  // this thread's first row
+    const float L2E = 1.4426950408889634f;
+    // with t = tanh((x + b) / 2c): z = a (1 + t) / 2 and d softcap / dx = z (1 - z/a) / c = (a/4c) (1 - t^2)
+    const TanhCap tc(p);
+    const float K = p.grad_scale * 0.25f * p.a / p.c, hL = tc.h * L2E;
+    float off[4];
+    int tgt[4][MAX_PREDICT];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int row = r0 + i;
+        float wsum = 0.f;
 #pragma unroll
         for (int k = 0; k < MAX_PREDICT; ++k) {
             const bool on = row < p.rows && k < p.n_predict && row + k < p.target_rows;
-            ir.tgt[i][k] = on ? p.targets[row + k] : -1;
-            if (on) ir.wsum[i] += p.w[k];
-            ir.tz_tgt[i][k] = 0.f;
+            tgt[i][k] = on ? p.targets[row + k] : -1;
+            if (on) wsum += p.w[k];
         }
+        off[i] = row < p.rows && wsum > 0.f ? p.lse[row] * L2E - log2f(K * wsum) - hL : INFINITY;  // 2^-inf = 0
     }
-    float sum[4] = {0.f, 0.f, 0.f, 0.f};
+    const int cbase = blockIdx.x * GC * GT;
 #pragma unroll
-    for (int h = 0; h < HALVES; ++h) {
-        if (h * GCV + cg >= v.nv) continue;
-        const int col = (v.v0 + h * GCV + cg) * 8;
+    for (int j = 0; j < GSTAGES - 1; ++j) {
+        if (j < GT) load_logits(p, r0, cbase + j * GC + cg * 8, stages + j * GSTAGE_BYTES);
+        tk::cp_async_commit();
+    }
+#pragma unroll 1
+    for (int j = 0; j < GT; ++j) {
+        const int c0 = cbase + j * GC, col = c0 + cg * 8;
+        if (c0 >= p.vocab) break;  // the same for the whole CTA
+        // the tile GSTAGES - 1 ahead into the stage this thread read last (an empty group past the CTA's tiles)
+        asm volatile("" ::: "memory");
+        if (j + GSTAGES - 1 < GT)
+            load_logits(p, r0, col + (GSTAGES - 1) * GC, stages + (j + GSTAGES - 1) % GSTAGES * GSTAGE_BYTES);
+        tk::cp_async_commit();
+        tk::cp_async_wait<GSTAGES - 1>();  // this tile's copies (this thread's) have landed
+        uint4 raw[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            raw[i] = *reinterpret_cast<const uint4*>(grad_smem + j % GSTAGES * GSTAGE_BYTES + (i * 256 + t) * 16);
+        uint32_t pk[4][4];         // [row][column pair]: two e5m2 values in the low 16 bits
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const uint32_t w[4] = {raw[h][i].x, raw[h][i].y, raw[h][i].z, raw[h][i].w};
-            float kv[8], tz[8];
+            const uint32_t w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+            float g[8], tz[8];
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 const float x = __uint_as_float(e % 2 ? w[e / 2] & 0xffff0000u : w[e / 2] << 16);
-                const float th = tc.t(x), y = fmaf(th, hL, hL);  // z log2e, in [0, a log2e]
-                const float E = e & 1 ? tk::poly_exp2(y) : tk::fast_exp2(y);
-                sum[i] += E;
-                tz[e] = fmaf(-th, th, 1.f);
-                kv[e] = E * tz[e];
+                const float th = tc.t(x);
+                tz[e] = fmaf(-th, th, 1.f);                             // 1 - t^2: d softcap (4c/a)
+                g[e] = tk::fast_exp2(fmaf(th, hL, -off[i])) * tz[e];   // exp(z - lse) K wsum (1 - t^2)
             }
             bool hit = false;
 #pragma unroll
-            for (int k = 0; k < MAX_PREDICT; ++k) hit |= (unsigned)(ir.tgt[i][k] - col) < 8u;
+            for (int k = 0; k < MAX_PREDICT; ++k) hit |= (unsigned)(tgt[i][k] - col) < 8u;
             if (hit) {
 #pragma unroll
                 for (int e = 0; e < 8; ++e)
 #pragma unroll
                     for (int k = 0; k < MAX_PREDICT; ++k)
-                        if (col + e == ir.tgt[i][k]) ir.tz_tgt[i][k] = tz[e];
+                        if (col + e == tgt[i][k]) g[e] -= K * p.w[k] * tz[e];
             }
-            const uint32_t s = kept + ((h * 4 + i) * TRAIN_THREADS + t) * 32;
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(s), "f"(kv[0]), "f"(kv[1]), "f"(kv[2]),
-                         "f"(kv[3]) : "memory");
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(s + 16), "f"(kv[4]), "f"(kv[5]), "f"(kv[6]),
-                         "f"(kv[7]) : "memory");
-        }
-    }
-    // a row group is one warp (32 column groups): its sums, published, then counted
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float s = tk::warp_sum(sum[i]);
-        if (cg == 0 && v.r0 + i < v.rb + GR) partials[((int64_t)v.band * it.slices + v.slice) * GR + (t / 32) * 4 + i] = s;
-    }
-    __syncthreads();
-    if (t == 0) {
-        __threadfence();
-        atomicAdd(counters + v.band, 1);
-    }
-}
-
-// an item's second half, once its band has published: the losses (by slice 0) and the gradient
-__device__ __forceinline__ void item_grad(const Params& p, const Items& it, const ItemView& v, int cg, uint32_t kept,
-                                          uint8_t* kept_ptr, const ItemRows& ir, const float* partials, const int* counters,
-                                          float* lse_s, uint8_t* g8, int64_t ld8, uint8_t* g8t, int64_t ld8t,
-                                          float inv_grad_s) {
-    const int t = threadIdx.x, rg = t / GCV;
-    const TanhCap tc(p);
-    const float L2E = 1.4426950408889634f, K = p.grad_scale * 0.25f * p.a / p.c;
-    if (t == 0) {
-        while (ld_acquire(counters + v.band) < it.slices) __nanosleep(32);
-        __threadfence();
-    }
-    __syncthreads();
-    {  // each row's lse: 8 threads a row, each summing every 8th slice, then the eight in a fixed order
-        const int row = t / 8, q = t % 8;
-        const float* bp = partials + (int64_t)v.band * it.slices * GR + row;
-        float total = 0.f;
-#pragma unroll 4
-        for (int s = q; s < it.slices; s += 8) total += __ldcg(bp + s * GR);
-        total += __shfl_xor_sync(0xffffffffu, total, 1);
-        total += __shfl_xor_sync(0xffffffffu, total, 2);
-        total += __shfl_xor_sync(0xffffffffu, total, 4);
-        const float lse = logf(total);
-        if (q == 0) lse_s[row] = lse;
-        const int grow = v.rb + row;
-        if (v.slice == 0 && q == 0 && grow < p.rows) {  // the row's loss: sum_k w_k (lse - z[target k])
-            float loss = 0.f;
-#pragma unroll
-            for (int k = 0; k < MAX_PREDICT; ++k) {
-                if (k >= p.n_predict || grow + k >= p.target_rows) break;
-                const int tg = p.targets[grow + k];
-                if (tg >= 0 && tg < p.vocab)
-                    loss += p.w[k] * (lse - fmaf(tc.h, tc.t(__bfloat162float(p.logits[(int64_t)grow * p.ld + tg])), tc.h));
+            for (int q = 0; q < 4; ++q) {
+                const float2 gb = __bfloat1622float2(__floats2bfloat162_rn(g[2 * q], g[2 * q + 1]));
+                pk[i][q] = __nv_cvt_float2_to_fp8x2(make_float2(gb.x * inv_grad_s, gb.y * inv_grad_s), __NV_SATFINITE,
+                                                    __NV_E5M2);
             }
-            p.losses[grow] = loss;
-            if (p.lse) p.lse[grow] = lse;
+            if (r0 + i < p.rows && col < p.vocab)
+                *reinterpret_cast<uint2*>(g8 + (int64_t)(r0 + i) * ld8 + col) =
+                    make_uint2(pk[i][0] | pk[i][1] << 16, pk[i][2] | pk[i][3] << 16);
         }
-    }
-    __syncthreads();
-    float f[4];  // K wsum / exp(lse)
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-        f[i] = v.r0 + i < p.rows && ir.wsum[i] > 0.f ? tk::fast_exp2(log2f(K * ir.wsum[i]) - lse_s[rg * 4 + i] * L2E) : 0.f;
-#pragma unroll
-    for (int h = 0; h < HALVES; ++h) {
-        if (h * GCV >= v.nv) break;  // (the same for the whole CTA)
-        const int col = (v.v0 + h * GCV + cg) * 8;
-        uint32_t pk[4][4] = {};  // [row][column pair]: two e5m2 values in the low 16 bits
-        if (h * GCV + cg < v.nv) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const uint32_t s = kept + ((h * 4 + i) * TRAIN_THREADS + t) * 32;
-                const uint4 k0 = tk::lds128(s), k1 = tk::lds128(s + 16);
-                const uint32_t kw[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
-                float g[8];
-#pragma unroll
-                for (int e = 0; e < 8; ++e) g[e] = f[i] * __uint_as_float(kw[e]);
-                bool hit = false;
-#pragma unroll
-                for (int k = 0; k < MAX_PREDICT; ++k) hit |= (unsigned)(ir.tgt[i][k] - col) < 8u;
-                if (hit) {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e)
-#pragma unroll
-                        for (int k = 0; k < MAX_PREDICT; ++k)
-                            if (col + e == ir.tgt[i][k]) g[e] -= K * p.w[k] * ir.tz_tgt[i][k];
-                }
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const float2 gb = __bfloat1622float2(__floats2bfloat162_rn(g[2 * q], g[2 * q + 1]));
-                    pk[i][q] = __nv_cvt_float2_to_fp8x2(make_float2(gb.x * inv_grad_s, gb.y * inv_grad_s), __NV_SATFINITE,
-                                                        __NV_E5M2);
-                }
-                if (v.r0 + i < p.rows)
-                    *reinterpret_cast<uint2*>(g8 + (int64_t)(v.r0 + i) * ld8 + col) =
-                        make_uint2(pk[i][0] | pk[i][1] << 16, pk[i][2] | pk[i][3] << 16);
-            }
-        }
-        __syncthreads();  // the half is read: its place takes the transposed tile
         // each column's 4 rows as one word: [row0, row1, row2, row3]
-        uint8_t* buf = kept_ptr + h * 4 * TRAIN_THREADS * 32;
+        uint8_t* buf = tile[j & 1];
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
             const uint32_t lo01 = __byte_perm(pk[0][q], pk[1][q], 0x5140), lo23 = __byte_perm(pk[2][q], pk[3][q], 0x5140);
             *reinterpret_cast<uint32_t*>(buf + (cg * 8 + 2 * q) * GPITCH + rg * 4) = __byte_perm(lo01, lo23, 0x5410);
             *reinterpret_cast<uint32_t*>(buf + (cg * 8 + 2 * q + 1) * GPITCH + rg * 4) = __byte_perm(lo01, lo23, 0x7632);
         }
-        __syncthreads();
-        // transposed: 256 columns x 2 vectors of 16 rows
-        {
-            const int c = t / 2, r = (t % 2) * 16;
+        __syncthreads();  // (double buffering: the next tile writes the other buffer)
+        // transposed: 128 columns x 4 vectors of 16 rows, two passes of 64 columns
+        const int rb = blockIdx.y * GR;
 #pragma unroll
-            for (int pass = 0; pass < 2; ++pass) {
-                const int cc = pass * 128 + c;
-                if (h * GC + cc >= v.nv * 8 || v.rb + r >= p.rows) continue;
-                const uint32_t* src = reinterpret_cast<const uint32_t*>(buf + cc * GPITCH + r);
-                *reinterpret_cast<uint4*>(g8t + (int64_t)(v.v0 * 8 + h * GC + cc) * ld8t + v.rb + r) =
-                    make_uint4(src[0], src[1], src[2], src[3]);
-            }
+        for (int pass = 0; pass < 2; ++pass) {
+            const int c = pass * 64 + t / 4, r = (t % 4) * 16;
+            if (c0 + c >= p.vocab || rb + r >= p.rows) continue;
+            const uint32_t* src = reinterpret_cast<const uint32_t*>(buf + c * GPITCH + r);
+            *reinterpret_cast<uint4*>(g8t + (int64_t)(c0 + c) * ld8t + rb + r) = make_uint4(src[0], src[1], src[2], src[3]);
         }
     }
-    __syncthreads();  // (the item's shared memory is free for the item after next)
-}
-
-__global__ void __launch_bounds__(TRAIN_THREADS, 1) train_fp8_kernel(const Params p, uint8_t* g8, int64_t ld8, uint8_t* g8t,
-                                                                   int64_t ld8t, float inv_grad_s, int* counters,
-                                                                   float* partials, const Items it) {
-    extern __shared__ __align__(16) uint8_t kept_smem[];  // two items: HALVES x [4 rows][256 threads][8 floats] each
-    __shared__ float lse_s[GR];
-    const uint32_t base = tk::smem_u32(kept_smem);
-    const int t = threadIdx.x, rg = t / GCV, cg = t % GCV;
-    const int total = it.total(), step = gridDim.x;
-    const int first = blockIdx.x;
-    if (first >= total) return;
-    ItemRows now, after;  // the row constants of item m and of item m + 1
-    uint4 raw[HALVES][4];
-    load_item(p, ItemView(p, it, first, rg), cg, raw);
-    item_sums(p, it, ItemView(p, it, first, rg), cg, raw, base, now, partials, counters);
-    if (first + step < total) load_item(p, ItemView(p, it, first + step, rg), cg, raw);
-    // item m (kept in buffer m % 2) waits for its second half; item m + 1's loads are in flight
-    int m = 0;
-    for (int item = first; item < total; item += step, ++m) {
-        const int next = item + step;
-        const int cur = m & 1;
-        if (next < total) {
-            item_sums(p, it, ItemView(p, it, next, rg), cg, raw, base + (cur ^ 1) * HALVES * HALF_BYTES, after, partials,
-                      counters);
-            if (next + step < total) load_item(p, ItemView(p, it, next + step, rg), cg, raw);
-        }
-        item_grad(p, it, ItemView(p, it, item, rg), cg, base + cur * HALVES * HALF_BYTES,
-                  kept_smem + cur * HALVES * HALF_BYTES, now, partials, counters, lse_s, g8, ld8, g8t, ld8t, inv_grad_s);
-        now = after;
-    }
+    tk::cp_async_wait<0>();  // (no copy outlives the CTA)
 }
 
 }  // namespace ce
 
-// evaluation: the rows' losses (and lse where p.lse is set), the soft-cap exact
+// the rows' losses (and lse where p.lse is set)
 inline cudaError_t softcapped_cross_entropy(const ce::Params& p, cudaStream_t stream) {
     if (p.vocab % 8 != 0 || p.ld % 8 != 0 || p.n_predict < 1 || p.n_predict > ce::MAX_PREDICT)
         return cudaErrorInvalidValue;
-    ce::softcapped_ce_kernel<<<p.rows, ce::THREADS, 0, stream>>>(p);
+    if (p.fast_softcap) ce::softcapped_ce_kernel<true><<<p.rows, ce::THREADS, 0, stream>>>(p);
+    else ce::softcapped_ce_kernel<false><<<p.rows, ce::THREADS, 0, stream>>>(p);
     return cudaGetLastError();
 }
 
-// Workspace bytes for softcapped_ce_train_fp8 on `rows` rows: a counter and the items' partial sums
-// per band of 32 rows
-inline size_t softcapped_ce_train_workspace(int rows, int vocab) {
-    const ce::Items it = ce::items_of(rows, vocab);
-    return ((size_t)it.bands * 4 + 255) / 256 * 256 + (size_t)it.total() * ce::GR * 4;
-}
-
-// training: the rows' losses (and lse where p.lse is set) and the gradient of the loss, scaled by
-// p.grad_scale, in e5m2 / grad_s, as g8 (rows x vocab) and g8t (vocab x rows); rows a multiple of 16,
-// vocab of 8, ld8 and ld8t of 16; workspace: softcapped_ce_train_workspace(p.rows, p.vocab) bytes
-inline cudaError_t softcapped_ce_train_fp8(const ce::Params& p, uint8_t* g8, int64_t ld8, uint8_t* g8t, int64_t ld8t,
-                                           float grad_s, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-    if (p.rows % 16 || p.vocab % 8 || p.ld % 8 || ld8 % 16 || ld8t % 16 || p.n_predict < 1 ||
-        p.n_predict > ce::MAX_PREDICT || workspace_bytes < softcapped_ce_train_workspace(p.rows, p.vocab))
+// p as for softcapped_cross_entropy, with p.lse from it; rows a multiple of 16, vocab of 8,
+// ld8 and ld8t of 16
+inline cudaError_t softcapped_ce_grad_fp8(const ce::Params& p, uint8_t* g8, int64_t ld8, uint8_t* g8t, int64_t ld8t,
+                                          float grad_s, cudaStream_t stream) {
+    if (p.rows % 16 || p.vocab % 8 || p.ld % 8 || ld8 % 16 || ld8t % 16 || !p.lse || p.n_predict < 1 ||
+        p.n_predict > ce::MAX_PREDICT)
         return cudaErrorInvalidValue;
-    if (p.rows == 0) return cudaSuccess;
-    const ce::Items it = ce::items_of(p.rows, p.vocab);
-    // every CTA resident (one an SM), and a band's items at most twice the CTAs: an item waits only
-    // on items before it
-    const int ctas = std::min(tk::num_sms(), it.total());
-    if (it.slices > 2 * ctas && it.bands > 1) return cudaErrorInvalidValue;
-    int* counters = (int*)workspace;
-    float* partials = (float*)((char*)workspace + ((size_t)it.bands * 4 + 255) / 256 * 256);
-    if (cudaError_t e = cudaMemsetAsync(counters, 0, (size_t)it.bands * 4, stream)) return e;
+    dim3 grid((p.vocab + ce::GC * ce::GT - 1) / (ce::GC * ce::GT), (p.rows + ce::GR - 1) / ce::GR);
     static bool configured = false;
-    if (cudaError_t e = tk::allow_smem(ce::train_fp8_kernel, ce::TRAIN_SMEM, configured)) return e;
-    ce::train_fp8_kernel<<<ctas, ce::TRAIN_THREADS, ce::TRAIN_SMEM, stream>>>(p, g8, ld8, g8t, ld8t, 1.f / grad_s,
-                                                                             counters, partials, it);
+    if (cudaError_t e = tk::allow_smem(ce::grad_fp8_kernel, ce::GRAD_SMEM, configured)) return e;
+    ce::grad_fp8_kernel<<<grid, 256, ce::GRAD_SMEM, stream>>>(p, g8, ld8, g8t, ld8t, 1.f / grad_s);
     return cudaGetLastError();
 }
 

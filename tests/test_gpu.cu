@@ -362,26 +362,12 @@ static void ce_case(const char* name, int rows, int vocab, std::vector<float> w,
     p.rows = rows, p.target_rows = rows, p.vocab = vocab, p.n_predict = (int)w.size();
     for (size_t k = 0; k < w.size(); ++k) p.w[k] = w[k];
     p.a = (float)A, p.b = (float)B, p.c = (float)C, p.losses = dloss.ptr;
-    p.lse = dlse.ptr, p.grad_scale = (float)gscale;
-    const size_t ws_bytes = softcapped_ce_train_workspace(rows, vocab);
-    DeviceArray<unsigned char> ws(ws_bytes);
-    ws.poison();
-    if (train) CUDA_CHECK(softcapped_ce_train_fp8(p, g8.ptr, ld8, g8t.ptr, ld8t, grad_s, ws.ptr, ws_bytes, 0));
-    else CUDA_CHECK(softcapped_cross_entropy(p, 0));
+    p.lse = train ? dlse.ptr : nullptr, p.grad_scale = (float)gscale, p.fast_softcap = train;
+    CUDA_CHECK(softcapped_cross_entropy(p, 0));
+    if (train) CUDA_CHECK(softcapped_ce_grad_fp8(p, g8.ptr, ld8, g8t.ptr, ld8t, grad_s, 0));
     CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<float> lo = dloss.download();
     std::vector<double> loss(lo.begin(), lo.end());
-    int64_t not_repeated = 0;  // training's rows are summed across CTAs: a second call gives the same bits
-    if (train) {
-        const std::vector<uint8_t> first8 = g8.download(), first8t = g8t.download();
-        dloss.poison();
-        CUDA_CHECK(cudaMemset(g8.ptr, 0x7f, g8.n));
-        CUDA_CHECK(cudaMemset(g8t.ptr, 0x7f, g8t.n));
-        CUDA_CHECK(softcapped_ce_train_fp8(p, g8.ptr, ld8, g8t.ptr, ld8t, grad_s, ws.ptr, ws_bytes, 0));
-        CUDA_CHECK(cudaDeviceSynchronize());
-        const std::vector<float> lo2 = dloss.download();
-        not_repeated = (g8.download() != first8) + (g8t.download() != first8t) + (memcmp(lo.data(), lo2.data(), lo.size() * 4) != 0);
-    }
     double e_loss = rel_err_d(loss, loss_ref), e_grad = 0;
     int64_t off_by_one = 0, wrong = 0, not_transposed = 0;
     if (train) {
@@ -402,11 +388,9 @@ static void ce_case(const char* name, int rows, int vocab, std::vector<float> w,
     }
     printf("  cross-entropy %-28s rows %4d vocab %6d  rel err: loss %.1e fp8 grad %.1e (e5m2 values off by one step: %lld)\n",
            name, rows, vocab, e_loss, e_grad, (long long)off_by_one);
-    CHECK(e_loss < 1e-5 && e_grad < 0.1 && wrong == 0 && off_by_one * 1000 <= (int64_t)rows * vocab && not_transposed == 0 &&
-              not_repeated == 0,
+    CHECK(e_loss < 1e-5 && e_grad < 0.1 && wrong == 0 && off_by_one * 1000 <= (int64_t)rows * vocab && not_transposed == 0,
           "%s: cross-entropy differs from the fp64 reference (loss %.2e, fp8 grad %.2e, %lld values wrong, %lld off by "
-          "one, %lld not transposed, %lld outputs not repeated)", name, e_loss, e_grad, (long long)wrong,
-          (long long)off_by_one, (long long)not_transposed, (long long)not_repeated);
+          "one, %lld not transposed)", name, e_loss, e_grad, (long long)wrong, (long long)off_by_one, (long long)not_transposed);
 }
 
 static void rmsnorm_case(int rows, int dim, uint64_t seed) {
@@ -1848,7 +1832,6 @@ static void test_model_kernels() {
     ce_case("train, 3 MTP weights", 48, 1000, {1.f, 0.5f, 0.125f}, true, 1);  // tiles cut in rows and columns
     ce_case("train, 2 MTP weights", 80, 50304, {1.f, 0.25f}, true, 2);
     ce_case("train, 1 weight", 16, 4104, {1.f}, true, 3);
-    ce_case("train, more bands than fit at once", 1040, 50304, {1.f, 0.5f, 0.25f}, true, 5);
     ce_case("evaluation", 33, 50304, {1.f}, false, 4);
     rmsnorm_case(37, 768, 5);
     rmsnorm_case(1001, 768, 6);
