@@ -1136,8 +1136,7 @@ class Model {
         wf8t_ = alloc<uint8_t>(V * D), wf8_ = alloc<uint8_t>(V * D);
         logit_rows_ = (int)std::min<int64_t>(args.logit_chunk_rows, (TE + 15) / 16 * 16);
         logits_ = bf((int64_t)logit_rows_ * V);
-        // g^T for the whole micro-batch: the lm_head's weight gradient is one GEMM over all its rows
-        gf8_ = alloc<uint8_t>((int64_t)logit_rows_ * V), gf8t_ = alloc<uint8_t>((T + 15) / 16 * 16 * V);
+        gf8_ = alloc<uint8_t>((int64_t)logit_rows_ * V), gf8t_ = alloc<uint8_t>((int64_t)logit_rows_ * V);
         lm_grad_ = alloc<float>(V * D);
         losses_ = alloc<float>(TE), lse_ = alloc<float>(logit_rows_), loss_ = alloc<float>(1), bad_ = alloc<int>(1);
         // backward workspaces
@@ -1535,7 +1534,7 @@ class Model {
         const bool training = fa_.training;
         profile_mark(Part::Head, s);
         if (training) {
-            side_wait(ev_head_, s);  // (a training forward with no backward after it: its weight gradient reads x^T, g^T)
+            side_wait(ev_head_, s);  // (a training forward with no backward after it: its weight gradient reads x^T)
             CUDA_CHECK(cast_to_fp8(xn_, D, xf8_, D, T, D, (float)args_.lm_head_x_s, false, false, s));
             CUDA_CHECK(cast_to_fp8(xn_, D, xf8t_, T, T, D, (float)args_.lm_head_x_s, false, true, s));
             if (fa_.first_micro) {
@@ -1561,19 +1560,21 @@ class Model {
                 gemms_.bf16(s, Op::N, Op::N, rows, V, D, xn_ + (int64_t)r0 * D, D, lm_head, V, logits_, V, false);
             profile_mark(Part::Loss, s);
             CUDA_CHECK(softcapped_cross_entropy(cp, s));
-            if (training)  // the gradient of the logits, e5m2: this chunk's rows, and its columns of g^T
-                CUDA_CHECK(softcapped_ce_grad_fp8(cp, gf8_, V, gf8t_ + r0, T, (float)args_.lm_head_grad_s, s));
+            if (training) {  // the gradient of the logits, e5m2, in the two layouts of the GEMMs below
+                side_wait(ev_head_, s);  // (the last chunk's weight gradient has read g^T)
+                CUDA_CHECK(softcapped_ce_grad_fp8(cp, gf8_, V, gf8t_, rows, (float)args_.lm_head_grad_s, s));
+            }
             profile_mark(Part::Head, s);
             if (!training) continue;
-            // d norm(x) = g w^T, chunk by chunk
+            // d norm(x) = g w^T; d lm_head = x^T g (fp32, as the record's grad_w: the first chunk writes it)
             gemms_.fp8(s, rows, D, V, gf8_, CUDA_R_8F_E5M2, V, wf8_, CUDA_R_8F_E4M3, V, dxn_head_ + (int64_t)r0 * D, D,
                        false, scales_[2], scales_[1], false);
+            gemms_.fp8(side(s), D, V, rows, xf8t_ + r0, CUDA_R_8F_E4M3, T, gf8t_, CUDA_R_8F_E5M2, rows, lm_grad_, V, true,
+                       scales_[0], scales_[2], false, r0 > 0 ? 1.f : 0.f);
+            side_mark(ev_head_);
         }
-        if (training) {  // d lm_head = x^T g over every row at once (fp32, as the record's grad_w)
-            cudaStream_t w = side(s);
-            gemms_.fp8(w, D, V, T, xf8t_, CUDA_R_8F_E4M3, T, gf8t_, CUDA_R_8F_E5M2, T, lm_grad_, V, true, scales_[0],
-                       scales_[2], false, 0.f);
-            CUDA_CHECK(add_to_bf16(bf(p_["lm_head"].grad), lm_grad_, V * D, w));
+        if (training) {
+            CUDA_CHECK(add_to_bf16(bf(p_["lm_head"].grad), lm_grad_, V * D, side(s)));
             side_mark(ev_head_);
         }
         if (training && grad_ready_) {  // lm_head's gradient is final
