@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Does the attention run at the H200's power limit? Our attention kernels (tests/libattention.so,
+`make tests/libattention.so`) at a 49,152-token micro-batch, each launched back to back for 4 s
+while nvidia-smi samples the SM clock and the power every 50 ms; then cuBLASLt's bf16 GEMM of
+c_fc's data gradient the same way, for comparison. Run from the repository's root. FLOPs count
+the visible query-key pairs only (as tests/bench_attention.py does)."""
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+import bench_attention as ba  # noqa: E402  (the library's bindings, the document lengths, the pair count)
+
+
+def settled_samples(run, secs):
+    """(ms per call, mean SM clock MHz, mean W) of run() called back to back for secs seconds"""
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                            "-lms", "50"], stdout=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    calls, t0 = 0, time.time()
+    while time.time() - t0 < secs:
+        for _ in range(20):
+            run()
+        calls += 20
+        torch.cuda.synchronize()
+    end.record()
+    end.synchronize()
+    smi.terminate()
+    rows = [[float(v) for v in line.split(",")] for line in smi.communicate()[0].split("\n") if line.strip()]
+    rows = rows[len(rows) // 4:]  # after the clock settled
+    return start.elapsed_time(end) / calls, statistics.mean(r[0] for r in rows), statistics.mean(r[1] for r in rows)
+
+
+def report(label, run, flop, idle_w):
+    ms, mhz, watts = settled_samples(run, 4)
+    print(f"{label}: {ms * 1e3:.1f} us a call, SM clock {mhz:.0f} MHz, {watts:.0f} W, {flop / ms / 1e9:.0f} TFLOP/s, "
+          f"{watts * ms * 1e9 / flop:.2f} pJ/FLOP ({(watts - idle_w) * ms * 1e9 / flop:.2f} above idle)", flush=True)
+
+
+def main():
+    torch.manual_seed(0)
+    T, H, dev = 49152, 6, "cuda"
+    lens = ba.doc_lengths(T, random.Random(0))
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    stream = torch.cuda.current_stream().cuda_stream
+    time.sleep(1)
+    _, _, idle_w = settled_samples(lambda: time.sleep(0.001), 2)
+    print(f"idle: {idle_w:.0f} W")
+    for window in (640, 1408):  # the 393k phase's short and long windows (5 and 11 blocks of 128)
+        q, k, v = (torch.randn(T, H, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
+        dout = torch.randn(T, H, 128, device=dev, dtype=torch.bfloat16) * 0.1
+        o, dq, dk, dv = (torch.empty_like(q) for _ in range(4))
+        lse, delta = (torch.empty(H, T, device=dev, dtype=torch.float32) for _ in range(2))
+        tiles = torch.empty(ba.LIB.attn_tiles_bytes(T, cu.numel()), device=dev, dtype=torch.uint8)
+        args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), H * 128, o.data_ptr(), H * 128, lse.data_ptr(),
+                cu.data_ptr(), cu.numel(), 1, T, H, window, 0.12)
+
+        def fwd():
+            assert ba.LIB.attn_forward(*args, tiles.data_ptr(), stream) == 0
+
+        def bwd():
+            assert ba.LIB.attn_backward(*args, dout.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                                        delta.data_ptr(), tiles.data_ptr(), stream) == 0
+
+        flop = 4 * 128 * H * ba.visible_pairs(lens, window)
+        report(f"attention forward, window {window}", fwd, flop, idle_w)
+        report(f"attention backward, window {window}", bwd, 2.5 * flop, idle_w)
+    m, n, kk = T, 768, 3072
+    a = torch.randn(m, kk, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(kk, n, device=dev, dtype=torch.bfloat16)
+    c = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+    report(f"bf16 GEMM {m}x{n}x{kk} (random)", lambda: torch.mm(a, b, out=c), 2.0 * m * n * kk, idle_w)
+
+
+if __name__ == "__main__":
+    main()
