@@ -2,47 +2,25 @@
 """Does the attention run at the H200's power limit? Our attention kernels (tests/libattention.so,
 `make tests/libattention.so`) at a 49,152-token micro-batch, each launched back to back for 4 s
 while nvidia-smi samples the SM clock and the power every 50 ms; then cuBLASLt's bf16 GEMM of
-c_fc's data gradient the same way, for comparison. Run from the repository's root. FLOPs count
-the visible query-key pairs only (as tests/bench_attention.py does)."""
+c_fc's data gradient the same way, for comparison (the sampling is energy.py's, in the energy
+costs record). FLOPs count the visible query-key pairs only (as tests/bench_attention.py does)."""
 import os
 import random
-import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, "..", "..", "tests"), os.path.join(HERE, "..", "2026-12-04_H200_energy_costs")]
 import bench_attention as ba  # noqa: E402  (the library's bindings, the document lengths, the pair count)
-
-
-def settled_samples(run, secs):
-    """(ms per call, mean SM clock MHz, mean W) of run() called back to back for secs seconds"""
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                            "-lms", "50"], stdout=subprocess.PIPE, text=True)
-    time.sleep(0.3)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    calls, t0 = 0, time.time()
-    while time.time() - t0 < secs:
-        for _ in range(20):
-            run()
-        calls += 20
-        torch.cuda.synchronize()
-    end.record()
-    end.synchronize()
-    smi.terminate()
-    rows = [[float(v) for v in line.split(",")] for line in smi.communicate()[0].split("\n") if line.strip()]
-    rows = rows[len(rows) // 4:]  # after the clock settled
-    return start.elapsed_time(end) / calls, statistics.mean(r[0] for r in rows), statistics.mean(r[1] for r in rows)
+from energy import settled_samples  # noqa: E402  (a kernel back to back beside nvidia-smi)
 
 
 def report(label, run, flop, idle_w):
-    ms, mhz, watts = settled_samples(run, 4)
-    print(f"{label}: {ms * 1e3:.1f} us a call, SM clock {mhz:.0f} MHz, {watts:.0f} W, {flop / ms / 1e9:.0f} TFLOP/s, "
-          f"{watts * ms * 1e9 / flop:.2f} pJ/FLOP ({(watts - idle_w) * ms * 1e9 / flop:.2f} above idle)", flush=True)
+    s, mhz, watts = settled_samples(run, 4)
+    print(f"{label}: {s * 1e6:.1f} us a call, SM clock {mhz:.0f} MHz, {watts:.0f} W, {flop / s / 1e12:.0f} TFLOP/s, "
+          f"{watts * s * 1e12 / flop:.2f} pJ/FLOP ({(watts - idle_w) * s * 1e12 / flop:.2f} above idle)", flush=True)
 
 
 def main():
