@@ -176,6 +176,13 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
         ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
+// the same, the lines marked first to go from L2 (data read once)
+__device__ __forceinline__ void tma_load_2d_once(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+    asm volatile(
+        "{\n.reg .b64 pol;\ncreatepolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3}], [%4], pol;\n}\n"
+        ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
     asm volatile(
         "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
@@ -1069,10 +1076,11 @@ __device__ __forceinline__ void attn_bwd_dq_pair(const Params& p, const DqMaps& 
             const bool a = sees(0, k0), b = sees(1, k0);
             tk::mbar_expect_tx(bar, TILE_BYTES + (a + b) * DS_TILE_BYTES);
             tma_tile(sK + st * TILE_BYTES, &maps.k, col, k0, bar);
+            // a dS^T tile is read once: evicted first, it leaves L2 to the K tiles other CTAs read again
             for (int w = 0; w < 2; ++w)
                 if (w ? b : a)
-                    tk::tma_load_2d(sDS + (2 * st + w) * DS_TILE_BYTES, &maps.ds, 0,
-                                    (int)ds_index(p, h, k0, seq, (q0 + w * BLOCK - k0) / BLOCK) * BLOCK, bar);
+                    tk::tma_load_2d_once(sDS + (2 * st + w) * DS_TILE_BYTES, &maps.ds, 0,
+                                         (int)ds_index(p, h, k0, seq, (q0 + w * BLOCK - k0) / BLOCK) * BLOCK, bar);
         }
     };
     if (threadIdx.x == 0) {
