@@ -58,6 +58,21 @@ EDITS = {
         ("train_gpt.cu", "l.post, 4 * D, c_proj(i), D, out, D, false, 1.f, 1.f, l.x_attn);",
          "l.post, 4 * D, c_proj(i), D, out, D, false);"),
     ],
+    # not bounds, the simplest correct forms of folding those residuals out of the GEMMs (the record's
+    # rounding: the sum of two bf16 values): O without C, its residual added by the MLP's norm pass
+    # (combine_norm: reads x_mix and the product, writes x_attn and the norm)
+    "o_pass": [
+        ("train_gpt.cu", "l.yg, D, wo, D, l.x_attn, D, false, 1.f, 1.f, l.x_mix);", "l.yg, D, wo, D, l.x_attn, D, false);"),
+        ("train_gpt.cu", "            if (attn) CUDA_CHECK(rms_norm_forward(l.x_attn, D, l.xn_m, D, l.rstd_m, T, D, RMS_NORM_EPS, s));",
+         "            if (attn) CUDA_CHECK(combine_norm(l.x_attn, l.x_mix, l.x_attn, T, D, {nullptr, 0.f, 1.f}, "
+         "{nullptr, 0.f, 1.f}, l.xn_m, l.rstd_m, RMS_NORM_EPS, s));"),
+    ],
+    # c_proj without C, its residual added by a pass of its own (reads two, writes one)
+    "cproj_pass": [
+        ("train_gpt.cu", "l.post, 4 * D, c_proj(i), D, out, D, false, 1.f, 1.f, l.x_attn);",
+         "l.post, 4 * D, c_proj(i), D, out, D, false);\n"
+         "            CUDA_CHECK(combine(out, l.x_attn, out, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));"),
+    ],
 }
 
 
