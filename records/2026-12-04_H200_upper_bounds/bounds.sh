@@ -13,8 +13,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 work=$(mktemp -d)
 out=${OUT:-$work/logs}
 python3 "$here/variants.py" "$COMMIT" "$work" $VARIANTS
-for v in $VARIANTS; do (cd "$work/$v" && make -s train_gpt) & done
-wait
+builds=()
+for v in $VARIANTS; do (cd "$work/$v" && make -s train_gpt) & builds+=($!); done
+for b in "${builds[@]}"; do wait "$b"; done  # a failed build stops here (set -e)
 flags=(--train_files "$root/data/textmix/textmix_train_*.bin" --val_files "$root/data/textmix/textmix_val_*.bin"
        --num_scheduled_iterations 30 --num_extension_iterations 5 --val_tokens 2097152 --cycle_data --val_loss_every 0)
 groups=()

@@ -11,18 +11,22 @@ import sys
 
 FILES = ("Makefile", "train_gpt.cu", "triton_kernels.cu")
 
+# edits that more than one variant makes: (file, the line as at the commit, what replaces it)
+RING = ("triton_kernels.cu", "    return id * p.ds_slots + slot;", "    return (id * p.ds_slots + slot) % 2048;")
+O_WITHOUT_C = ("train_gpt.cu", "l.yg, D, wo, D, l.x_attn, D, false, 1.f, 1.f, l.x_mix);", "l.yg, D, wo, D, l.x_attn, D, false);")
+CPROJ_WITHOUT_C = ("train_gpt.cu", "l.post, 4 * D, c_proj(i), D, out, D, false, 1.f, 1.f, l.x_attn);",
+                   "l.post, 4 * D, c_proj(i), D, out, D, false);")
+
 # variant: [(file, the line as at the commit, what replaces it)]
 EDITS = {
     "base": [],
     # the dK/dV pass's dS^T tiles in a 16 MB ring that stays in L2 (dQ wrong), the dQ pass's copies
     # keeping their evict-first hint; "ring" drops the hint too
-    "ring_hint": [
-        ("triton_kernels.cu", "    return id * p.ds_slots + slot;", "    return (id * p.ds_slots + slot) % 2048;"),
-    ],
+    "ring_hint": [RING],
     # the dK/dV pass's dS^T tiles in a 16 MB ring that stays in L2 (dQ wrong): the most any L2-resident
     # handoff between the dK/dV and dQ passes could save; the dQ pass's copies without the evict-first hint
     "ring": [
-        ("triton_kernels.cu", "    return id * p.ds_slots + slot;", "    return (id * p.ds_slots + slot) % 2048;"),
+        RING,
         ("triton_kernels.cu", "tk::tma_load_2d_once(sDS + (2 * st + w) * DS_TILE_BYTES",
          "tk::tma_load_2d(sDS + (2 * st + w) * DS_TILE_BYTES"),
     ],
@@ -54,23 +58,21 @@ EDITS = {
     # the O and c_proj forward GEMMs without the residual (no C): the residual stream is lost, so the
     # activations (and what their bits cost) are not the trainer's
     "noc": [
-        ("train_gpt.cu", "l.yg, D, wo, D, l.x_attn, D, false, 1.f, 1.f, l.x_mix);", "l.yg, D, wo, D, l.x_attn, D, false);"),
-        ("train_gpt.cu", "l.post, 4 * D, c_proj(i), D, out, D, false, 1.f, 1.f, l.x_attn);",
-         "l.post, 4 * D, c_proj(i), D, out, D, false);"),
+        O_WITHOUT_C,
+        CPROJ_WITHOUT_C,
     ],
     # not bounds, the simplest correct forms of folding those residuals out of the GEMMs (the record's
     # rounding: the sum of two bf16 values): O without C, its residual added by the MLP's norm pass
     # (combine_norm: reads x_mix and the product, writes x_attn and the norm)
     "o_pass": [
-        ("train_gpt.cu", "l.yg, D, wo, D, l.x_attn, D, false, 1.f, 1.f, l.x_mix);", "l.yg, D, wo, D, l.x_attn, D, false);"),
+        O_WITHOUT_C,
         ("train_gpt.cu", "            if (attn) CUDA_CHECK(rms_norm_forward(l.x_attn, D, l.xn_m, D, l.rstd_m, T, D, RMS_NORM_EPS, s));",
          "            if (attn) CUDA_CHECK(combine_norm(l.x_attn, l.x_mix, l.x_attn, T, D, {nullptr, 0.f, 1.f}, "
          "{nullptr, 0.f, 1.f}, l.xn_m, l.rstd_m, RMS_NORM_EPS, s));"),
     ],
     # c_proj without C, its residual added by a pass of its own (reads two, writes one)
     "cproj_pass": [
-        ("train_gpt.cu", "l.post, 4 * D, c_proj(i), D, out, D, false, 1.f, 1.f, l.x_attn);",
-         "l.post, 4 * D, c_proj(i), D, out, D, false);\n"
+        (CPROJ_WITHOUT_C[0], CPROJ_WITHOUT_C[1], CPROJ_WITHOUT_C[2] + "\n"
          "            CUDA_CHECK(combine(out, l.x_attn, out, TD, {nullptr, 0.f, 1.f}, {nullptr, 0.f, 1.f}, s));"),
     ],
 }
