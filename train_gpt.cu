@@ -3331,8 +3331,8 @@ static const char* const part_short[] = {"host", "gemm", "head", "loss", "attent
 // The GPU's SM clock and power while training steps run, sampled every 10 ms by a thread of its own
 // (NVML, loaded at run time: without the driver's library there is nothing to print). An H200 runs
 // this loop at its power limit, 700 W, at about 1.5 GHz rather than its 1.98 GHz boost: in the loop a
-// GEMM costs what its energy costs, and the floors below (at the boost clock's 790 TFLOP/s) are out of
-// reach there.
+// GEMM costs what its energy costs, so the table gives the GEMM parts' energy per FLOP (their time at
+// the phase's mean power) rather than a floor at some peak rate, which the loop never reaches.
 class GpuSampler {
    public:
     struct Totals {
@@ -3430,7 +3430,7 @@ class LoopProfiler {
         nvtxRangePushA(part_short[(int)p]);
         open_ = true;
     }
-    // floating-point work of the GEMMs queued since the step began (their floor)
+    // floating-point work of the GEMMs queued since the step began (for their energy per FLOP)
     void add_flops(Part p, double flops, bool fp8) { (fp8 ? fp8_flops_ : bf16_flops_)[(int)p] += flops; }
     void begin_step(cudaStream_t s) {
         used_ = 0;
@@ -3483,8 +3483,10 @@ class LoopProfiler {
         auto it = phases_.find(phase);
         return it == phases_.end() || it->second.steps == 0 ? 0 : it->second.ms[(int)p] / it->second.steps;
     }
-    // One table per phase: each part's ms per step and share, the GEMM parts beside their floor at
-    // the measured H200 ceilings (bf16 790 TFLOP/s; fp8 taken as twice that).
+    // One table per phase: each part's ms per step and share, the GEMM parts beside their energy per
+    // FLOP at the phase's mean power (where NVML answered). cuBLASLt's bf16 GEMM alone at the H200's
+    // limit takes 1.06-1.10 pJ/FLOP (records/2026-12-04_H200_energy_costs): a GEMM part near that is
+    // at what its FLOPs cost, however far its rate is from a peak.
     std::string table() const {
         std::string s;
         for (const std::string& phase : order_) {
@@ -3497,12 +3499,14 @@ class LoopProfiler {
             if (u != unprofiled_.end() && u->second.steps > 0)
                 s += strprintf("; %lld steps not profiled: %.2f", (long long)u->second.steps, u->second.ms / u->second.steps);
             s += ")\n";
-            s += strprintf("  %-34s %9s %6s %10s\n", "part", "ms/step", "share", "floor ms");
+            auto g = gpu_.find(phase);
+            const bool sampled = g != gpu_.end() && g->second.samples > 0;  // (samples only where NVML answered)
+            const double watts = sampled ? g->second.watts / g->second.samples : 0;
+            s += strprintf("  %-34s %9s %6s %10s\n", "part", "ms/step", "share", "pJ/FLOP");
             for (int p = 0; p < (int)Part::COUNT; ++p) {
-                const double ms = t.ms[p] / t.steps;
-                const double floor_ms = (t.bf16_flops[p] / 790e12 + t.fp8_flops[p] / 1580e12) * 1e3 / t.steps;
+                const double ms = t.ms[p] / t.steps, flops = (t.bf16_flops[p] + t.fp8_flops[p]) / t.steps;
                 s += strprintf("  %-34s %9.2f %5.1f%% %10s\n", part_names[p], ms, 100 * ms / (total / t.steps),
-                               floor_ms > 0 ? strprintf("%.2f", floor_ms).c_str() : "-");
+                               sampled && flops > 0 ? strprintf("%.3f", ms * watts / flops * 1e9).c_str() : "-");
             }
             // the model's and the head's GEMMs by shape (m x n x k of C = op(A) op(B)), slowest first:
             // which ones run below the ceilings in the loop
@@ -3516,12 +3520,10 @@ class LoopProfiler {
             std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
             if (!rows.empty()) s += "  the GEMMs by shape (m x n x k), in the loop:\n";
             for (const auto& r : rows) s += r.second;
-            auto g = gpu_.find(phase);
-            if (g != gpu_.end() && g->second.samples > 0) {  // (samples only where NVML answered)
+            if (sampled) {
                 const GpuSampler::Totals& q = g->second;
                 // at the limit a step's time is its energy over the limit: the figure a change lowers. The
                 // samples span every step of the phase, profiled or not: their mean host-clock time
-                const double watts = q.watts / q.samples;
                 const Unprofiled un = u != unprofiled_.end() ? u->second : Unprofiled{};
                 const double step_ms = (t.wall_ms + un.ms) / (t.steps + un.steps);
                 s += strprintf("  GPU over these steps: SM clock %.0f MHz on average (its highest %u), %.0f W (limit %.0f W), "
