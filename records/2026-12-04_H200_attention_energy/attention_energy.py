@@ -3,7 +3,9 @@
 `make tests/libattention.so`) at a 49,152-token micro-batch, each launched back to back for 4 s
 while nvidia-smi samples the SM clock and the power every 50 ms; then cuBLASLt's bf16 GEMM of
 c_fc's data gradient the same way, for comparison (the sampling is energy.py's, in the energy
-costs record). FLOPs count the visible query-key pairs only (as tests/bench_attention.py does)."""
+costs record). FLOPs count the visible query-key pairs only (as tests/bench_attention.py does).
+--with-torch: PyTorch's varlen_attn too, after ours on the same inputs (what the record runs in
+place of its FA3 hub kernel offline; the energy budget record)."""
 import os
 import random
 import sys
@@ -23,7 +25,7 @@ def report(label, run, flop, idle_w):
           f"{watts * s * 1e12 / flop:.2f} pJ/FLOP ({(watts - idle_w) * s * 1e12 / flop:.2f} above idle)", flush=True)
 
 
-def main():
+def main(with_torch=False):
     torch.manual_seed(0)
     T, H, dev = 49152, 6, "cuda"
     lens = ba.doc_lengths(T, random.Random(0))
@@ -51,6 +53,17 @@ def main():
         flop = 4 * 128 * H * ba.visible_pairs(lens, window)
         report(f"attention forward, window {window}", fwd, flop, idle_w)
         report(f"attention backward, window {window}", bwd, 2.5 * flop, idle_w)
+        if with_torch:
+            from torch.nn.attention.varlen import varlen_attn
+
+            def torch_fwd(x=q, y=k, z=v):
+                return varlen_attn(x, y, z, cu, cu, max(lens), max(lens), scale=0.12, window_size=(window, 0))
+
+            qt, kt, vt = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+            out_t = torch_fwd(qt, kt, vt)
+            report(f"torch varlen_attn forward, window {window}", torch_fwd, flop, idle_w)
+            report(f"torch varlen_attn backward, window {window}",
+                   lambda: torch.autograd.grad(out_t, (qt, kt, vt), dout, retain_graph=True), 2.5 * flop, idle_w)
     m, n, kk = T, 768, 3072
     a = torch.randn(m, kk, device=dev, dtype=torch.bfloat16)
     b = torch.randn(kk, n, device=dev, dtype=torch.bfloat16)
@@ -59,4 +72,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(with_torch="--with-torch" in sys.argv[1:])
