@@ -64,12 +64,14 @@ tests/test_distributed: tests/test_distributed.cu tests/testing.h $(SOURCES)
 
 # The multi-rank tests run their ranks on a GPU each where there are enough GPUs, else sharing the
 # GPUs (TRAIN_GPT_SHARE_GPUS=1, NCCL over sockets: slow, a correctness test; tests/ranks.sh).
+# Each part says how long it took.
+test-gpu: export TIMEFORMAT = (%0R s)
 test-gpu: tests/test_gpu tests/test_distributed tests/test_host train_gpt
-	./tests/test_gpu
-	bash tests/test_resume.sh
-	RANKS=2 bash tests/test_resume.sh
-	bash tests/test_ranks.sh
-	ranks=2 && source tests/ranks.sh && mpirun --quiet -np 2 --bind-to none \
+	time ./tests/test_gpu
+	time bash tests/test_resume.sh
+	time RANKS=2 bash tests/test_resume.sh
+	time bash tests/test_ranks.sh
+	ranks=2 && source tests/ranks.sh && time mpirun --quiet -np 2 --bind-to none \
 	    $${TRAIN_GPT_SHARE_GPUS:+-x TRAIN_GPT_SHARE_GPUS --oversubscribe} ./tests/test_distributed
 
 tests/bench_gpu: tests/bench_gpu.cu $(SOURCES)
