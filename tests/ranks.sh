@@ -4,7 +4,10 @@
 #                           sharing the GPUs (TRAIN_GPT_SHARE_GPUS=1) where there are fewer than them
 #   rank_pid PID            a process of the run started as PID that is a rank (./train_gpt)
 #   same_weights A.bin B.bin   every parameter of two checkpoints the same, bit for bit
+#   small_batches           flags for runs of several ranks sharing a GPU (many times slower): 16k /
+#                           32k / 49k tokens a step, 262k of validation; the same paths as the record's
 ranks=${ranks:-1}
+small_batches=(--train_bs_schedule 16384,32768,49152 --train_bs_extension 49152 --val_batch_size 131072 --val_tokens 262144)
 gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU ' || true)
 if [ "$ranks" -gt 1 ] && [ "${gpus:-0}" -lt "$ranks" ]; then export TRAIN_GPT_SHARE_GPUS=1; fi
 if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi

@@ -31,9 +31,9 @@ check() {
 }
 vals() { grep -E '^step:[0-9]+/[0-9]+ val_loss' "$1" | sed 's/ train_time.*//'; }
 id=test_ranks_$$
+source tests/ranks.sh
 set -f
-flags=(--train_files "$data/*_train_*.bin" --val_files "$data/*_val_*.bin" --cycle_data
-       --train_bs_schedule 16384,32768,49152 --train_bs_extension 49152 --val_batch_size 131072 --val_tokens 262144
+flags=(--train_files "$data/*_train_*.bin" --val_files "$data/*_val_*.bin" --cycle_data "${small_batches[@]}"
        --num_scheduled_iterations 22 --num_extension_iterations 2 --val_loss_every 6 --gemm_autotune false
        --save_checkpoint)
 set +f

@@ -27,13 +27,10 @@ check() {
 }
 vals() { grep -E '^step:[0-9]+/[0-9]+ val_loss' "$1" | sed 's/ train_time.*//'; }
 id=test_resume_${ranks}_$$
-# ranks sharing one GPU run many times slower: several ranks take test_ranks' small batches (16k /
-# 32k / 49k tokens a step; the same paths), one rank the record's
-val=(--val_tokens 2097152) batches=()
-[ "$ranks" -gt 1 ] && val=(--val_batch_size 131072 --val_tokens 262144) &&
-    batches=(--train_bs_schedule 16384,32768,49152 --train_bs_extension 49152)
+sizes=(--val_tokens 2097152)  # one rank at the record's batches, several at small ones
+[ "$ranks" -gt 1 ] && sizes=("${small_batches[@]}")
 set -f
-flags=(--train_files "$data/*_train_*.bin" --val_files "$data/*_val_*.bin" "${val[@]}" "${batches[@]}"
+flags=(--train_files "$data/*_train_*.bin" --val_files "$data/*_val_*.bin" "${sizes[@]}"
        --cycle_data --num_scheduled_iterations 21 --num_extension_iterations 0 --val_loss_every 7 --checkpoint_every 7 --save_checkpoint)
 set +f
 out=$(mktemp -d)
