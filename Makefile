@@ -1,6 +1,7 @@
 # make            build ./train_gpt (Hopper, sm_90a)
 # make test       host tests (no GPU needed)
-# make test-gpu   GPU tests (skip with a message where there is no GPU)
+# make test-gpu   GPU tests (skip with a message where there is no GPU); its parts: make test-gpu-kernels,
+#                 test-gpu-runs, test-gpu-ranks
 # make bench      benchmarks (data pipeline on $(BENCH_DATA); GPU benchmarks come with the kernels)
 
 NVCC       ?= nvcc
@@ -25,7 +26,7 @@ LDLIBS     = -L$(CUDA_HOME)/lib64 -lcublasLt -lnccl $(call nvcc_flags,$(MPI_LIBS
 
 SOURCES = train_gpt.cu triton_kernels.cu
 
-.PHONY: all test test-gpu bench bench-loop clean
+.PHONY: all test test-gpu test-gpu-kernels test-gpu-runs test-gpu-ranks bench bench-loop clean
 all: train_gpt
 
 # ptxas reports (C7519) that it puts a warpgroup.arrive before an attention MMA whose A operand comes
@@ -62,14 +63,19 @@ test: train_gpt tests/test_host tests/fuzz_host
 tests/test_distributed: tests/test_distributed.cu tests/testing.h $(SOURCES)
 	$(NVCC) $(NVCCFLAGS) -o $@ tests/test_distributed.cu $(LDLIBS) $(QUIET_C7519)
 
-# The multi-rank tests run their ranks on a GPU each where there are enough GPUs, else sharing the
-# GPUs (TRAIN_GPT_SHARE_GPUS=1, NCCL over sockets: slow, a correctness test; tests/ranks.sh).
-# Each part says how long it took.
-test-gpu: export TIMEFORMAT = (%0R s)
-test-gpu: tests/test_gpu tests/test_distributed tests/test_host train_gpt
+# make test-gpu runs three parts, each also a target of its own: the kernels and the model against
+# their references (test-gpu-kernels); the trainer's runs repeated, stopped and resumed at world sizes
+# 1 and 2 (test-gpu-runs); the multi-rank paths (test-gpu-ranks). The multi-rank tests run their
+# ranks on a GPU each where there are enough GPUs, else sharing the GPUs (TRAIN_GPT_SHARE_GPUS=1,
+# NCCL over sockets: slow, a correctness test; tests/ranks.sh). Each test says how long it took.
+test-gpu: test-gpu-kernels test-gpu-runs test-gpu-ranks
+test-gpu-kernels test-gpu-runs test-gpu-ranks: export TIMEFORMAT = (%0R s)
+test-gpu-kernels: tests/test_gpu
 	time ./tests/test_gpu
+test-gpu-runs: tests/test_host train_gpt
 	time bash tests/test_resume.sh
 	time RANKS=2 bash tests/test_resume.sh
+test-gpu-ranks: tests/test_distributed train_gpt
 	time bash tests/test_ranks.sh
 	ranks=2 && source tests/ranks.sh && time mpirun --quiet -np 2 --bind-to none \
 	    $${TRAIN_GPT_SHARE_GPUS:+-x TRAIN_GPT_SHARE_GPUS --oversubscribe} ./tests/test_distributed

@@ -9,7 +9,8 @@
 #     tests/test_distributed checks world size 2 parameter by parameter). Early in training
 #     the loss amplifies rounding differences several times over, and a change of one gradient's
 #     rounding alone understated it: a layout with the skip at 2 -> 7 gave world size 8 off by 0.0109
-#     against a floor of 0.0021 from the chunked run alone;
+#     against a floor of 0.0021 from the chunked run alone (the three give 0.0057, from world size 2:
+#     limit 0.0171; world size 4 off by 0.0039);
 #   - world size 2 with --early_reduce true and false: the same losses and weights, bit for bit.
 # Ranks share the GPUs where there are fewer than them (TRAIN_GPT_SHARE_GPUS=1: NCCL over sockets,
 # slow; a correctness test). Needs a GPU and shards in $TEST_DATA (as tests/test_resume.sh).
