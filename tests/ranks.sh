@@ -4,8 +4,8 @@
 #                           sharing the GPUs (TRAIN_GPT_SHARE_GPUS=1) where there are fewer than them
 #   rank_pid PID            a process of the run started as PID that is a rank (./train_gpt)
 #   same_weights A.bin B.bin   every parameter of two checkpoints the same, bit for bit
-#   small_batches           flags for runs of several ranks sharing a GPU (many times slower): 16k /
-#                           32k / 49k tokens a step, 262k of validation; the same paths as the record's
+#   small_batches           flags of the short test runs: 16k / 32k / 49k tokens a step, 262k of
+#                           validation (ranks sharing a GPU are many times slower); the record's paths
 ranks=${ranks:-1}
 small_batches=(--train_bs_schedule 16384,32768,49152 --train_bs_extension 49152 --val_batch_size 131072 --val_tokens 262144)
 gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU ' || true)

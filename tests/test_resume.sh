@@ -2,8 +2,9 @@
 # Runs that repeat and resume, on a GPU (make test-gpu): a short run with checkpoints; --rerun of its
 # log (the same validation losses and weights, bit for bit); the rerun stopped by SIGTERM after step
 # 10 and resumed from its checkpoint (the uninterrupted run's losses and weights); the NaN stop;
-# --diff-logs of real logs. The 21 steps hold Adam steps and the untie (step 15). RANKS=N runs each
-# at world size N, the ranks sharing the GPUs where there are fewer than N (TRAIN_GPT_SHARE_GPUS=1).
+# --diff-logs of real logs. The 21 steps, at small batches (tests/ranks.sh), hold Adam steps and the
+# untie (step 15). RANKS=N runs each at world size N, the ranks sharing the GPUs where there are fewer
+# than N (TRAIN_GPT_SHARE_GPUS=1).
 # Needs a GPU and shards in $TEST_DATA (a folder of *_train_*.bin and *_val_*.bin; make test-gpu
 # sets it: FineWeb's first shards where present, else data/textmix); skips without them.
 #   [RANKS=2] bash tests/test_resume.sh            last line "N passed, N failed"
@@ -27,10 +28,8 @@ check() {
 }
 vals() { grep -E '^step:[0-9]+/[0-9]+ val_loss' "$1" | sed 's/ train_time.*//'; }
 id=test_resume_${ranks}_$$
-sizes=(--val_tokens 2097152)  # one rank at the record's batches, several at small ones
-[ "$ranks" -gt 1 ] && sizes=("${small_batches[@]}")
 set -f
-flags=(--train_files "$data/*_train_*.bin" --val_files "$data/*_val_*.bin" "${sizes[@]}"
+flags=(--train_files "$data/*_train_*.bin" --val_files "$data/*_val_*.bin" "${small_batches[@]}"
        --cycle_data --num_scheduled_iterations 21 --num_extension_iterations 0 --val_loss_every 7 --checkpoint_every 7 --save_checkpoint)
 set +f
 out=$(mktemp -d)
