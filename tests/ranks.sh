@@ -4,6 +4,7 @@
 #                           sharing the GPUs (TRAIN_GPT_SHARE_GPUS=1) where there are fewer than them
 #   rank_pid PID            a process of the run started as PID that is a rank (./train_gpt)
 #   same_weights A.bin B.bin   every parameter of two checkpoints the same, bit for bit
+#   gpus                    how many GPUs this machine has
 #   small_batches           flags of the short test runs: 16k / 32k / 49k tokens a step, 262k of
 #                           validation (ranks sharing a GPU are many times slower); the record's paths
 ranks=${ranks:-1}

@@ -48,7 +48,6 @@ at() {  # at WORLD_SIZE NAME FLAGS...: a run, its log logs/${id}_NAME.txt
 }
 weights() { echo logs/${id}_$1/state_step000024.bin; }
 
-gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU ' || true)
 if [ "$gpus" -lt 2 ]; then  # without the switch, two ranks on one GPU are refused, saying how to share
     (ranks=2 && source tests/ranks.sh && unset TRAIN_GPT_SHARE_GPUS && trainer "${flags[@]}" --run_id ${id}_refused) > "$out/refused" 2>&1
     check "two ranks on one GPU without TRAIN_GPT_SHARE_GPUS: refused" [ $? != 0 ]
@@ -82,7 +81,7 @@ cat "$out/compare"
 check "world sizes 4 and 8 within 3x the noise floor of world size 1" [ $rc = 0 ]
 
 check "--early_reduce: the same validation losses" [ -n "$(vals logs/${id}_two.txt)" -a "$(vals logs/${id}_two.txt)" = "$(vals logs/${id}_two_early.txt)" ]
-check "--early_reduce: the same weights" bash -c "source tests/ranks.sh && same_weights $(weights two) $(weights two_early)"
+check "--early_reduce: the same weights" same_weights $(weights two) $(weights two_early)
 check "--early_reduce: its plan in the log" grep -q '^backward_reduce_plan\[adam,tied\] = .*attn' logs/${id}_two_early.txt
 
 [ "$failed" = 0 ] || for f in "$out"/*; do echo "--- $f"; tail -5 "$f"; done
