@@ -30,14 +30,14 @@ vals() { grep -E '^step:[0-9]+/[0-9]+ val_loss' "$1" | sed 's/ train_time.*//'; 
 id=test_resume_${ranks}_$$
 set -f
 flags=(--train_files "$data/*_train_*.bin" --val_files "$data/*_val_*.bin" "${small_batches[@]}"
-       --cycle_data --num_scheduled_iterations 21 --num_extension_iterations 0 --val_loss_every 7 --checkpoint_every 7 --save_checkpoint)
+       --cycle_data --num_scheduled_iterations 21 --num_extension_iterations 0 --val_loss_every 7 --checkpoint_every 14 --save_checkpoint)
 set +f
 out=$(mktemp -d)
 trap 'rm -rf "$out" logs/${id}_* logs/${id}_*.txt' EXIT
 
 trainer "${flags[@]}" --run_id ${id}_a > "$out/a" 2>&1
-check "a run with checkpoints every 7 steps" [ $? = 0 ]
-check "its checkpoints" [ -f logs/${id}_a/state_step000007.bin -a -f logs/${id}_a/state_step000014.bin ]
+check "a run with checkpoints every 14 steps" [ $? = 0 ]
+check "its checkpoints" [ -f logs/${id}_a/state_step000014.bin -a -f logs/${id}_a/state_step000021.bin ]
 check "its GEMM plan in the log" grep -q '^gemm_plan_for = ' logs/${id}_a.txt
 
 trainer --rerun logs/${id}_a.txt --run_id ${id}_b > "$out/b" 2>&1
@@ -69,19 +69,19 @@ check "--adam_lr 1e6: names the layer and the step" grep -qE "NaN or infinity in
 
 ./train_gpt --resume logs/${id}_a.txt > "$out/f" 2>&1
 check "--resume of a file that is not a checkpoint: refused" grep -q "not a train_gpt checkpoint" "$out/f"
-head -c 100000 logs/${id}_a/state_step000007.bin > "$out/trunc.bin"
+head -c 100000 logs/${id}_a/state_step000014.bin > "$out/trunc.bin"
 ./train_gpt --resume "$out/trunc.bin" > "$out/g" 2>&1
 check "--resume of a truncated checkpoint: refused" grep -q "truncated" "$out/g"
 
 # inputs checked through before any GPU work: a checkpoint whose data position asks for more than
 # the run's buffers hold (its checksum recomputed, as anyone can) and one with a corrupt byte are
 # refused with no log written; --check takes the good ones
-ckpt7=logs/${id}_a/state_step000007.bin
-./train_gpt --check --resume $ckpt7 > "$out/h" 2>&1
+ckpt14=logs/${id}_a/state_step000014.bin
+./train_gpt --check --resume $ckpt14 > "$out/h" 2>&1
 check "--check --resume of a good checkpoint: exit 0" [ $? = 0 ]
 ./train_gpt --check --rerun logs/${id}_a.txt > "$out/i" 2>&1
 check "--check --rerun of a good log: exit 0" [ $? = 0 ]
-pos=$(python3 - $ckpt7 <<'PY'
+pos=$(python3 - $ckpt14 <<'PY'
 import sys  # rank 0's data position, its batch past what the run's buffers hold
 f, blobs = open(sys.argv[1], "rb"), []
 while (line := f.readline().decode().rstrip("\n")) != "end":
@@ -91,12 +91,12 @@ for name, n in blobs:
     if name == "rank0/data": print("\n".join(data.decode().splitlines()[:-1] + ["batch 1048576 2048"]))
 PY
 )
-./tests/test_host --rewrite-checkpoint $ckpt7 "$out/pos.bin" rank0/data "$pos"$'\n'
+./tests/test_host --rewrite-checkpoint $ckpt14 "$out/pos.bin" rank0/data "$pos"$'\n'
 trainer --resume "$out/pos.bin" --run_id ${id}_h > "$out/j" 2>&1
 rc=$?
 check "--resume of a data position past the buffers: refused before a log" \
     eval '[ $rc = 1 ] && grep -q "is not one this run.s buffers hold" "$out/j" && [ ! -e logs/${id}_h.txt ]'
-cp $ckpt7 "$out/flip.bin"
+cp $ckpt14 "$out/flip.bin"
 python3 -c "import sys; f = open(sys.argv[1], 'r+b'); f.seek(-12345, 2); b = f.read(1); f.seek(-12345, 2); f.write(bytes([b[0] ^ 1]))" "$out/flip.bin"
 trainer --resume "$out/flip.bin" --run_id ${id}_i > "$out/k" 2>&1
 rc=$?
@@ -110,7 +110,7 @@ if [ "$ranks" = 1 ]; then
     (ulimit -f 65536; trap '' XFSZ; trainer "${flags[@]}" --run_id ${id}_j) > "$out/l" 2>&1
     rc=$?
     check "checkpoints that fail: the run goes on to its end, then exits 1" \
-        eval '[ $rc = 1 ] && grep -q "^checkpoint after step 7 failed: .*there is no earlier one; the run goes on" "$out/l" &&
+        eval '[ $rc = 1 ] && grep -q "^checkpoint after step 14 failed: .*there is no earlier one; the run goes on" "$out/l" &&
               grep -q "^step:21/21 val_loss" logs/${id}_j.txt'
     check "checkpoints that fail: no temporary file left" eval '[ -z "$(ls logs/${id}_j/ 2>/dev/null)" ]'
     limit=$(( ($(stat -c %s logs/${id}_a.txt) - 2000) / 1024 ))
