@@ -4777,6 +4777,10 @@ static void select_device(int local_rank, int rank) {
     setenv("NCCL_HOSTID", host_id.c_str(), 1);
     setenv("NCCL_SOCKET_IFNAME", "lo", 0);  // loopback, unless the caller chose an interface
     setenv("NCCL_IB_DISABLE", "1", 0);
+    // Ranks on one GPU run in time slices, and a collective waits on every rank's slice in turn: the
+    // fewer chunks it moves in, the fewer waits. Measured at 8 ranks on one H200 (small batches):
+    // 2.25 s a step with NCCL's 4 MiB buffers, 0.94 with 16 MiB, 0.87 with 64 MiB.
+    setenv("NCCL_BUFFSIZE", "67108864", 0);
     CUDA_CHECK(cudaSetDevice(local_rank % num_gpus));
 }
 
