@@ -32,28 +32,4 @@ rank_pid() {
     done
     echo "$1"
 }
-same_weights() {
-    python3 - "$1" "$2" <<'PY'
-import hashlib, sys
-def params(path):  # the param/* blobs of a checkpoint: its text header names each blob and its size
-    f, out, blobs = open(path, "rb"), {}, []
-    while True:
-        line = f.readline().decode().rstrip("\n")
-        if line.startswith("blob "):
-            _, name, n = line.split(" ")
-            blobs.append((name, int(n)))
-        if line == "end" or not line and f.tell() > 1 << 20:
-            break
-    for name, n in blobs:  # the optimizer's state, most of the bytes, skipped
-        if name.startswith("param/"):
-            out[name] = hashlib.sha256(f.read(n)).hexdigest()
-        else:
-            f.seek(n, 1)
-    return out
-a, b = params(sys.argv[1]), params(sys.argv[2])
-differ = sorted(k for k in a if a[k] != b.get(k))
-if not a or a.keys() != b.keys() or differ:
-    print("weights differ:", ", ".join(differ) or "other parameters", file=sys.stderr)
-    sys.exit(1)
-PY
-}
+same_weights() { python3 tests/checkpoint.py same-weights "$1" "$2"; }

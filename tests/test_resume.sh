@@ -81,16 +81,8 @@ ckpt14=logs/${id}_a/state_step000014.bin
 check "--check --resume of a good checkpoint: exit 0" [ $? = 0 ]
 ./train_gpt --check --rerun logs/${id}_a.txt > "$out/i" 2>&1
 check "--check --rerun of a good log: exit 0" [ $? = 0 ]
-pos=$(python3 - $ckpt14 <<'PY'
-import sys  # rank 0's data position, its batch past what the run's buffers hold
-f, blobs = open(sys.argv[1], "rb"), []
-while (line := f.readline().decode().rstrip("\n")) != "end":
-    if line.startswith("blob "): blobs.append(line.split(" ")[1:])
-for name, n in blobs:  # the others skipped unread
-    if name != "rank0/data": f.seek(int(n), 1); continue
-    print("\n".join(f.read(int(n)).decode().splitlines()[:-1] + ["batch 1048576 2048"]))
-PY
-)
+# rank 0's data position, its batch past what the run's buffers hold
+pos=$(python3 tests/checkpoint.py blob $ckpt14 rank0/data | sed '$d'; echo "batch 1048576 2048")
 ./tests/test_host --rewrite-checkpoint $ckpt14 "$out/pos.bin" rank0/data "$pos"$'\n'
 trainer --resume "$out/pos.bin" --run_id ${id}_h > "$out/j" 2>&1
 rc=$?
